@@ -1,0 +1,158 @@
+"""Typed messages between the gateway, the scheduler and the workers.
+
+Each crosses a process boundary as msgpack (see shared/wire.py) and is validated where
+it enters a process. PROTOCOL_VERSION changes whenever a message changes shape.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+RequestStatus = Literal["waiting", "running", "finished", "cancelled", "failed"]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SamplingParams(Frozen):
+    temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 means greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
+    # Always set (the gateway draws one when the client gives none): the randomness of
+    # output token k is a function of (seed, k) only, so a request samples the same
+    # tokens whatever its batch, its worker, or a rebuild of its KV.
+    seed: int = Field(0, ge=0, lt=2**63)
+    max_tokens: int = Field(16, ge=1)
+    stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
+    ignore_eos: bool = False  # benchmarks force output lengths
+
+
+class RequestRecord(Frozen):
+    """An accepted request, written to Redis by the gateway before it answers."""
+
+    version: Literal[1] = PROTOCOL_VERSION
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float  # unix seconds at the gateway
+    client_key: str = ""  # which API key sent it (fairness); empty when the server is open
+
+
+class TokenEvent(Frozen):
+    """One entry of a request's output stream (scheduler -> gateway)."""
+
+    index: int  # position among the request's output tokens, 0-based
+    token_id: int  # -1 for an entry that carries no token (a finish without one)
+    text: str  # the text this token completes (held-back bytes come with a later token)
+    finish_reason: FinishReason | None = None  # set on the request's last entry
+    prompt_tokens: int = 0  # on the last entry, for usage
+    completion_tokens: int = 0  # on the last entry, for usage
+
+
+class NewRequest(Frozen):
+    """A request's data a worker needs once, the first time it is scheduled there."""
+
+    request_id: str
+    sampling: SamplingParams
+
+
+class StepItem(Frozen):
+    """One request's share of an iteration."""
+
+    request_id: str
+    # Tokens fed this step: a chunk of the prompt (or of prompt + output when a request's
+    # KV is rebuilt), or the one token sampled at the previous step.
+    token_ids: tuple[int, ...]
+    start_position: int = Field(ge=0)  # tokens of this request already in the worker's KV
+    sample: bool  # this step reaches the last known token: sample the next one
+    output_index: int = Field(ge=0)  # index of the token sampled (its seeded randomness)
+
+
+class BatchPlan(Frozen):
+    """What one worker runs in one iteration (scheduler -> worker)."""
+
+    version: Literal[1] = PROTOCOL_VERSION
+    # Which scheduler run made the plan: a worker that sees a new epoch drops all its KV,
+    # since a restarted scheduler re-queues every request to be rebuilt from its tokens.
+    scheduler_epoch: str
+    plan_id: int
+    worker_id: str
+    new_requests: tuple[NewRequest, ...] = ()
+    items: tuple[StepItem, ...] = ()
+    # Requests that finished, were cancelled or were preempted: free their KV before the step.
+    free_request_ids: tuple[str, ...] = ()
+
+
+class SampledToken(Frozen):
+    request_id: str
+    token_id: int
+    output_index: int
+
+
+class ItemError(Frozen):
+    request_id: str
+    code: Literal["kv_cache_full", "unknown_request", "bad_item"]
+    message: str
+
+
+class PlanResult(Frozen):
+    """What a worker answers for one plan (worker -> scheduler)."""
+
+    version: Literal[1] = PROTOCOL_VERSION
+    scheduler_epoch: str  # copied from the plan: results of an older scheduler run are ignored
+    plan_id: int
+    worker_id: str
+    tokens: tuple[SampledToken, ...] = ()
+    errors: tuple[ItemError, ...] = ()  # items that did not run; their KV is left as before
+    kv_blocks_total: int
+    kv_blocks_free: int
+    step_seconds: float  # time spent in the engine for this plan
+
+
+class WorkerInfo(Frozen):
+    """A worker's registration, renewed with every heartbeat."""
+
+    version: Literal[1] = PROTOCOL_VERSION
+    worker_id: str
+    pid: int
+    host: str
+    device: str
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    running: int  # requests holding KV on this worker
+    draining: bool = False  # stopping: takes no new requests
+    started_at: float
+    heartbeat_at: float
+
+
+class SchedulerInfo(Frozen):
+    version: Literal[1] = PROTOCOL_VERSION
+    pid: int
+    policy: str
+    started_at: float
+    heartbeat_at: float
+    last_iteration_at: float  # when an iteration last completed (0: none yet)
+    iterations: int
+    waiting: int
+    running: int
+
+
+class IterationRecord(Frozen):
+    """What the scheduler ran in one iteration on one worker (for tests and observability)."""
+
+    version: Literal[1] = PROTOCOL_VERSION
+    iteration: int
+    worker_id: str
+    plan_id: int
+    request_ids: tuple[str, ...]  # every request in the batch
+    joined: tuple[str, ...]  # requests whose first step this is
+    finished: tuple[str, ...]  # requests that finished with this iteration's tokens
+    prefill_tokens: int
+    decode_tokens: int
+    started_at: float
+    finished_at: float

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+from tests.redis_server import private_redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    with private_redis() as url:
+        yield url
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    from shared.redis_connection import connect
+
+    client = connect(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()

@@ -1,0 +1,87 @@
+"""A private Redis for tests: a container when a Docker engine answers, else a redis-server child."""
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_ping(url: str, timeout: float = 10.0) -> None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if client.ping():
+                return
+        except redis.exceptions.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+        finally:
+            client.close()
+
+
+class RedisProcess:
+    """redis-server on a free 127.0.0.1 port with append-only persistence in a temp dir."""
+
+    def __init__(self, port: int | None = None, data_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="iterserve-redis-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "RedisProcess":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.data_dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for_ping(self.url)
+        return self
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill() if kill else self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """Yields a Redis URL; the server is gone afterwards."""
+    try:
+        from testcontainers.redis import RedisContainer
+
+        container = RedisContainer("redis:7-alpine")
+        container.start()
+    except Exception:  # no Docker engine here: testcontainers raises within milliseconds
+        server = RedisProcess().start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+            shutil.rmtree(server.data_dir, ignore_errors=True)
+        return
+    try:
+        host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
+        yield f"redis://{host}:{port}/0"
+    finally:
+        container.stop()
