@@ -1,0 +1,281 @@
+"""The gateway's aiohttp app: routes, the error middleware, and the server's lifetime.
+
+    client --HTTP--> gateway --MULTI: record, active set, new stream--> Redis --> scheduler
+    client <--JSON/SSE-- gateway <--XREAD token_stream(id)-- Redis <-- scheduler
+"""
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from services.gateway import store
+from services.gateway.errors import ApiError, ServiceUnavailable, error_body, unknown_request
+from services.gateway.generation import create_chat_completion, create_completion, reattach_stream
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.state import ANSWER, ENDPOINT, STATE, GatewayState
+from shared.config import Settings
+from shared.messages import SchedulerInfo
+from shared.model_file import load_metadata
+from shared.redis_connection import connect
+
+if TYPE_CHECKING:
+    from shared.tokenizer import Tokenizer
+
+log = logging.getLogger("iterserve.gateway")
+
+HEALTH_TIMEOUT_SECONDS = 2.0  # /health answers 503 rather than wait longer on Redis
+METRICS_TIMEOUT_SECONDS = 1.0
+SHUTDOWN_TIMEOUT_SECONDS = 5.0  # open streams get this long before their handlers are cancelled
+
+
+def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.Application:
+    """The gateway app; the Redis client opens on startup and closes on cleanup."""
+    if tokenizer is None:
+        from shared.tokenizer import Tokenizer  # noqa: F811 (the runtime import of the hint above)
+
+        tokenizer = Tokenizer.load(settings.model)
+    metadata = load_metadata(settings.model)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    app[STATE] = GatewayState(
+        settings=settings,
+        tokenizer=tokenizer,
+        model_name=metadata.name,
+        context_length=metadata.config.context_length,
+        metrics=GatewayMetrics(),
+        started_at=int(time.time()),
+    )
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_name:.+}", get_model)
+    app.router.add_get("/v1/requests/{request_id}", get_request)
+    app.router.add_delete("/v1/requests/{request_id}", cancel_request)
+    app.router.add_get("/v1/requests/{request_id}/stream", reattach_stream)
+    app.router.add_get("/health", health)
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_open_redis)
+    app.on_cleanup.append(_close_redis)
+    return app
+
+
+async def _open_redis(app: web.Application) -> None:
+    app[STATE].redis = connect(app[STATE].settings.redis_url)
+
+
+async def _close_redis(app: web.Application) -> None:
+    state = app[STATE]
+    await state.drain_background()  # cancellations sent by handlers cut off at shutdown
+    if state.redis is not None:
+        await state.redis.aclose()
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-style JSON error; nothing escapes as a 500."""
+    try:
+        return await handler(request)
+    except ApiError as error:
+        response = error.response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        response = _http_error(request, error)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error method=%s path=%s", request.method, request.path)
+        response = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error").response()
+    _count_refusal(request, response.status)
+    log.info("refused status=%d method=%s path=%s body=%s", response.status, request.method, request.path, response.text)
+    return response
+
+
+def _http_error(request: web.Request, error: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no route, wrong method, body too large) in the OpenAI shape."""
+    headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
+    if isinstance(error, web.HTTPRequestEntityTooLarge):
+        limit = request.app[STATE].settings.max_body_bytes
+        body = error_body(f"request body too large: the limit is {limit} bytes", "invalid_request_error", None, "request_too_large")
+    elif isinstance(error, web.HTTPNotFound):
+        body = error_body(f"Invalid URL ({request.method} {request.path})", "invalid_request_error")
+    elif isinstance(error, web.HTTPMethodNotAllowed):
+        body = error_body(f"Method {request.method} not allowed for {request.path}", "invalid_request_error")
+    else:
+        body = error_body(error.reason, "invalid_request_error")
+    return web.json_response(body, status=error.status, headers=headers)
+
+
+def _count_refusal(request: web.Request, status: int) -> None:
+    endpoint = request.get(ENDPOINT)
+    answer = request.get(ANSWER)
+    if endpoint is None:
+        return
+    if answer is not None:
+        answer.count_outcome(str(status))
+    else:
+        request.app[STATE].metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def _model_card(state: GatewayState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "iterserve",
+        "max_model_len": state.context_length,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model_name"]
+    if name != state.model_name:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return web.json_response(_model_card(state))
+
+
+async def get_request(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    request_id = request.match_info["request_id"]
+    request_state = await store.request_state(state.redis, request_id)
+    if request_state is None:
+        raise unknown_request(request_id)
+    record = request_state.record
+    return web.json_response(
+        {
+            "id": request_id,
+            "object": "request",
+            "status": request_state.status,
+            "finish_reason": request_state.finish_reason,
+            "created": int(record.arrival_time) if record else None,
+            "model": state.model_name,
+            "prompt_tokens": len(record.prompt_token_ids) if record else None,
+            "max_tokens": record.sampling.max_tokens if record else None,
+            "token_events": await store.token_event_count(state.redis, request_id),  # output entries so far
+        }
+    )
+
+
+async def cancel_request(request: web.Request) -> web.Response:
+    """DELETE /v1/requests/{id}: harmless on a request that already ended (cancelled: false)."""
+    state = request.app[STATE]
+    request_id = request.match_info["request_id"]
+    request_state = await store.request_state(state.redis, request_id)
+    if request_state is None:
+        raise unknown_request(request_id)
+    cancelled = not request_state.terminal
+    if cancelled:
+        await store.cancel(state.redis, request_id)
+    log.info("cancel requested id=%s status=%s cancel_sent=%s", request_id, request_state.status, cancelled)
+    return web.json_response(
+        {"id": request_id, "object": "request.cancel", "status": request_state.status, "cancelled": cancelled}
+    )
+
+
+def stall_reason(scheduler: SchedulerInfo | None, stall_seconds: float, now: float) -> str | None:
+    """Why the scheduler looks stuck (requests wait, no iteration for stall_seconds), or None."""
+    if scheduler is None or scheduler.waiting <= 0:
+        return None
+    if scheduler.last_iteration_at > 0:
+        idle = now - scheduler.last_iteration_at
+        if idle > stall_seconds:
+            return f"{scheduler.waiting} requests waiting and no iteration for {idle:.1f} s"
+    elif now - scheduler.started_at > stall_seconds:
+        return f"{scheduler.waiting} requests waiting and no iteration since the scheduler started"
+    return None
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 only when Redis, the scheduler and at least one worker are alive and requests move."""
+    state = request.app[STATE]
+    unavailable = {"status": "unavailable"}
+    if not await store.ping(state.redis, HEALTH_TIMEOUT_SECONDS):
+        return web.json_response({**unavailable, "missing": ["redis"]}, status=503)
+    try:
+        view = await store.cluster_view(state.redis, HEALTH_TIMEOUT_SECONDS)
+    except ServiceUnavailable:
+        return web.json_response({**unavailable, "missing": ["redis"]}, status=503)
+    missing = []
+    if not view.scheduler_key_exists:
+        missing.append("scheduler")
+    if not view.live_worker_ids:
+        missing.append("workers")
+    stalled = stall_reason(view.scheduler, state.settings.stall_seconds, time.time())
+    if stalled:
+        missing.append("progress")
+    if missing:
+        body = {**unavailable, "missing": missing}
+        if stalled:
+            body["reason"] = stalled
+        return web.json_response(body, status=503)
+    return web.json_response(
+        {
+            "status": "ok",
+            "model": state.model_name,
+            "workers": len(view.live_worker_ids),
+            "waiting": view.scheduler.waiting if view.scheduler else 0,
+            "running": view.scheduler.running if view.scheduler else 0,
+        }
+    )
+
+
+async def status(request: web.Request) -> web.Response:
+    view = await store.cluster_view(request.app[STATE].redis)
+    scheduler = view.scheduler
+    return web.json_response(
+        {
+            "workers": [
+                {
+                    "id": worker.worker_id,
+                    "pid": worker.pid,
+                    "host": worker.host,
+                    "device": worker.device,
+                    "kv_blocks_total": worker.kv_blocks_total,
+                    "kv_blocks_free": worker.kv_blocks_free,
+                    "running": worker.running,
+                    "draining": worker.draining,
+                    "heartbeat_at": worker.heartbeat_at,
+                }
+                for worker in view.workers
+            ],
+            "waiting": scheduler.waiting if scheduler else 0,
+            "running": scheduler.running if scheduler else 0,
+            "active_requests": view.active_requests,
+            "scheduler": scheduler.model_dump(mode="json") if scheduler else None,
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        view = await store.cluster_view(state.redis, METRICS_TIMEOUT_SECONDS)
+    except ServiceUnavailable:
+        view = None
+    state.metrics.observe_cluster(view)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
+    """Serve on settings.host:settings.port until stop_event is set (forever without one)."""
+    app = create_app(settings)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        log.info("gateway listening on %s model=%s redis=%s", runner.addresses, app[STATE].model_name, settings.redis_url)
+        await (stop_event or asyncio.Event()).wait()
+        log.info("gateway stopping")
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,349 @@
+"""The generation endpoints: validate, tokenize, accept into Redis, then answer whole or as SSE.
+
+A client that goes away before its request's final token cancels the request (XADD
+CANCEL_STREAM). aiohttp cancels the handler when the connection drops (handler_cancellation),
+and independently every idle wait checks the transport and every stream write can fail.
+"""
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+from aiohttp import web
+from jinja2 import TemplateError
+
+from services.gateway import store
+from services.gateway.api_models import GenerationParams, parse_body
+from services.gateway.errors import ApiError, bad_request, unknown_model, unknown_request
+from services.gateway.responses import (
+    CHAT,
+    COMPLETIONS,
+    DONE_EVENT,
+    KEEPALIVE_EVENT,
+    ChunkWriter,
+    Endpoint,
+    endpoint_of,
+    final_body,
+    sse,
+    usage,
+)
+from services.gateway.state import ANSWER, ENDPOINT, STATE, GatewayState
+from shared.messages import RequestRecord, TokenEvent
+
+log = logging.getLogger("iterserve.gateway")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INLINE_TOKENIZE_CHARS = 4096  # longer texts are tokenized off the event loop
+KEEPALIVE_SECONDS = 10.0  # an idle stream sends an SSE comment this often (finds gone clients)
+
+
+class ClientGone(Exception):
+    """The client's connection closed before its request finished."""
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    return await generate(request, COMPLETIONS)
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    return await generate(request, CHAT)
+
+
+async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE]
+    request[ENDPOINT] = endpoint.name
+    arrival_time, started = time.time(), time.monotonic()
+    params = parse_body(endpoint.request_type, await request.read())
+    if params.model is not None and params.model != state.model_name:
+        raise unknown_model(params.model, state.model_name)
+    prompt_token_ids = await tokenize_prompt(state, endpoint, params)
+    max_tokens = resolve_max_tokens(state, endpoint, params, len(prompt_token_ids))
+    request_id = endpoint.new_request_id()
+    sampling = params.sampling_params(max_tokens)
+    record = RequestRecord(
+        request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time
+    )
+    await store.submit(state.redis, record)
+    log.info(
+        "accepted id=%s endpoint=%s prompt_tokens=%d max_tokens=%d stream=%s temperature=%s seed=%d",
+        request_id, endpoint.name, len(prompt_token_ids), max_tokens, bool(params.stream),
+        sampling.temperature, sampling.seed,
+    )  # fmt: skip
+    state.metrics.prompt_tokens.inc(len(prompt_token_ids))
+    answer = Answer(state, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started)
+    request[ANSWER] = answer
+    with state.metrics.in_flight.track_inprogress():
+        if params.stream:
+            return await stream_answer(request, answer, params.include_usage, cancel_on_disconnect=True)
+        return await whole_answer(request, answer)
+
+
+async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: GenerationParams) -> list[int]:
+    tokenizer = state.tokenizer
+    if endpoint.is_chat:
+        messages = [message.as_template_message() for message in params.messages]
+        size = sum(len(message["content"]) for message in messages)
+
+        def work() -> list[int]:
+            return tokenizer.encode_chat(messages)
+    elif isinstance(params.prompt, str):
+        size = len(params.prompt)
+
+        def work() -> list[int]:
+            return tokenizer.encode(params.prompt)
+    else:
+        token_ids = list(params.prompt)
+        bad = next((token_id for token_id in token_ids if not 0 <= token_id < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of the vocabulary (0..{tokenizer.vocab_size - 1})", param="prompt")
+        work = None
+    try:
+        if work is not None:
+            token_ids = await asyncio.to_thread(work) if size > INLINE_TOKENIZE_CHARS else work()
+    except TemplateError as error:  # the chat template refuses a conversation (e.g. roles out of order)
+        raise bad_request(f"the chat template refused these messages: {error}", param="messages") from None
+    if not token_ids:
+        raise bad_request("the prompt is empty", param=endpoint.prompt_param)
+    return token_ids
+
+
+def resolve_max_tokens(state: GatewayState, endpoint: Endpoint, params: GenerationParams, prompt_tokens: int) -> int:
+    """The output budget; a request that cannot fit the context is refused, never clipped."""
+    context = state.context_length
+    if prompt_tokens >= context:
+        raise bad_request(
+            f"prompt too long: {prompt_tokens} tokens, and this model's context length is {context} tokens",
+            param=endpoint.prompt_param,
+            code="context_length_exceeded",
+        )
+    remaining = context - prompt_tokens
+    requested = params.requested_max_tokens()
+    if requested is None:
+        return remaining if endpoint.is_chat else min(DEFAULT_COMPLETION_MAX_TOKENS, remaining)
+    if requested > remaining:
+        raise bad_request(
+            f"this model's context length is {context} tokens, but the prompt has {prompt_tokens} tokens and "
+            f"{requested} output tokens were requested ({prompt_tokens + requested} in all): "
+            "shorten the prompt or lower max_tokens",
+            param="max_completion_tokens" if params.max_completion_tokens else "max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+class Answer:
+    """One request's output as it arrives: its text, its token timings, its metrics and log lines."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        endpoint: Endpoint,
+        request_id: str,
+        created: int,
+        prompt_tokens: int,
+        started: float | None = None,  # monotonic arrival; None for a re-attached stream (no metrics)
+        start_index: int = 0,
+    ) -> None:
+        self.state, self.endpoint, self.request_id = state, endpoint, request_id
+        self.created, self.prompt_tokens, self.started, self.start_index = created, prompt_tokens, started, start_index
+        self.pieces: list[str] = []
+        self.tokens_seen = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished = False
+        self.outcome_counted = False
+
+    def count_outcome(self, outcome: str) -> None:
+        if self.started is not None and not self.outcome_counted:
+            self.outcome_counted = True
+            self.state.metrics.requests.labels(self.endpoint.name, outcome).inc()
+
+    def add(self, event: TokenEvent) -> None:
+        if event.text:
+            self.pieces.append(event.text)
+        if event.token_id >= 0:
+            now = time.monotonic()
+            self.tokens_seen += 1
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if self.started is not None:
+                    self.state.metrics.time_to_first_token.observe(now - self.started)
+            self.last_token_at = now
+
+    def finish(self, event: TokenEvent) -> dict:
+        """Record the final event; returns the usage block."""
+        self.finished = True
+        prompt_tokens = event.prompt_tokens or self.prompt_tokens
+        completion_tokens = event.completion_tokens or (self.start_index + self.tokens_seen)
+        if self.started is not None:
+            self.count_outcome(event.finish_reason)
+            metrics = self.state.metrics
+            metrics.completion_tokens.inc(completion_tokens)
+            metrics.e2e_latency.observe(time.monotonic() - self.started)
+            if self.tokens_seen > 1:
+                metrics.time_per_output_token.observe((self.last_token_at - self.first_token_at) / (self.tokens_seen - 1))
+        log.info(
+            "finished id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
+            self.request_id, event.finish_reason, prompt_tokens, completion_tokens,
+            time.monotonic() - self.started if self.started is not None else -1.0,
+        )  # fmt: skip
+        return usage(prompt_tokens, completion_tokens)
+
+    def client_gone(self, cancel: bool) -> None:
+        """The client left before the final token: cancel the request unless it already finished."""
+        if self.finished:
+            return
+        log.info("client disconnected id=%s cancel=%s", self.request_id, cancel)
+        self.count_outcome("client_disconnected")
+        if cancel:
+            self.state.cancel_in_background(self.request_id, "client disconnected")
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def transport_closed(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def whole_answer(request: web.Request, answer: Answer) -> web.StreamResponse:
+    try:
+        event = await _final_event(request, answer)
+    except ClientGone:
+        answer.client_gone(cancel=True)
+        return web.Response(status=499)  # nobody reads it: the connection is closed
+    except asyncio.CancelledError:
+        answer.client_gone(cancel=True)
+        raise
+    token_usage = answer.finish(event)
+    if event.finish_reason == "error":
+        raise request_failed(answer.request_id)
+    body = final_body(
+        answer.endpoint, answer.request_id, answer.created, answer.state.model_name,
+        answer.text, event.finish_reason, token_usage,
+    )  # fmt: skip
+    return web.json_response(body)
+
+
+async def _final_event(request: web.Request, answer: Answer) -> TokenEvent:
+    """Collect the output into `answer` until the final event, which it returns."""
+    async with aclosing(store.follow_tokens(answer.state.redis, answer.request_id)) as events:
+        async for event in events:
+            if event is None:
+                if transport_closed(request):
+                    raise ClientGone
+                continue
+            answer.add(event)
+            if event.finish_reason is not None:
+                return event
+    raise AssertionError("follow_tokens ended without a final event")
+
+
+def request_failed(request_id: str) -> ApiError:
+    return ApiError(
+        503,
+        f"request {request_id} failed in the server; retry",
+        error_type="server_error",
+        code="request_failed",
+    )
+
+
+async def stream_answer(
+    request: web.Request, answer: Answer, include_usage: bool, cancel_on_disconnect: bool
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    try:
+        await response.prepare(request)
+        await _stream_events(request, response, answer, include_usage)
+    except (ClientGone, ConnectionError):
+        answer.client_gone(cancel=cancel_on_disconnect)
+    except asyncio.CancelledError:
+        answer.client_gone(cancel=cancel_on_disconnect)
+        raise
+    except ApiError as error:  # Redis gone for too long: the headers are sent, so tell the client in-band
+        log.warning("stream aborted id=%s error=%s", answer.request_id, error.message)
+        await _write_quietly(response, sse(error.body()) + DONE_EVENT)
+    except Exception:
+        log.exception("stream failed id=%s", answer.request_id)
+        body = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error").body()
+        await _write_quietly(response, sse(body) + DONE_EVENT)
+    return response
+
+
+async def _stream_events(
+    request: web.Request, response: web.StreamResponse, answer: Answer, include_usage: bool
+) -> None:
+    chunks = ChunkWriter(answer.endpoint, answer.request_id, answer.created, answer.state.model_name, include_usage)
+    if answer.endpoint.is_chat:
+        await response.write(chunks.role())
+    last_write = time.monotonic()
+    async with aclosing(store.follow_tokens(answer.state.redis, answer.request_id, answer.start_index)) as events:
+        async for event in events:
+            if event is None:
+                if transport_closed(request):
+                    raise ClientGone
+                if time.monotonic() - last_write > KEEPALIVE_SECONDS:
+                    await response.write(KEEPALIVE_EVENT)
+                    last_write = time.monotonic()
+                continue
+            answer.add(event)
+            if event.finish_reason is None:
+                if event.text:
+                    await response.write(chunks.text(event.text))
+                    last_write = time.monotonic()
+                continue
+            token_usage = answer.finish(event)  # from here on the request is over: nothing to cancel
+            if event.finish_reason == "error":
+                await response.write(sse(request_failed(answer.request_id).body()))
+            else:
+                await response.write(chunks.text(event.text, event.finish_reason))
+                if include_usage:
+                    await response.write(chunks.usage(token_usage))
+            await response.write(DONE_EVENT)
+            await response.write_eof()
+            return
+    raise AssertionError("follow_tokens ended without a final event")
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        if response.prepared:
+            await response.write(data)
+            await response.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+
+
+async def reattach_stream(request: web.Request) -> web.StreamResponse:
+    """GET /v1/requests/{id}/stream?from=N: replay output from index N, then follow it live.
+
+    A re-attached reader is an observer: its going away does not cancel the request.
+    """
+    state = request.app[STATE]
+    request_id = request.match_info["request_id"]
+    try:
+        start_index = int(request.query.get("from", "0"))
+    except ValueError:
+        raise bad_request("`from` must be an integer output index", param="from") from None
+    if start_index < 0:
+        raise bad_request("`from` must be >= 0", param="from")
+    include_usage = request.query.get("include_usage", "false").lower() in ("1", "true", "yes")
+    request_state = await store.request_state(state.redis, request_id)
+    if request_state is None:
+        raise unknown_request(request_id)
+    record = request_state.record
+    answer = Answer(
+        state,
+        endpoint_of(request_id),
+        request_id,
+        int(record.arrival_time) if record else int(time.time()),
+        len(record.prompt_token_ids) if record else 0,
+        start_index=start_index,
+    )
+    log.info("re-attached id=%s from=%d status=%s", request_id, start_index, request_state.status)
+    return await stream_answer(request, answer, include_usage, cancel_on_disconnect=False)

@@ -1,0 +1,66 @@
+"""Prometheus metrics of one gateway app (its own registry, so several apps can live in one process)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.gateway.store import ClusterView
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "iterserve_gateway_requests",
+            "Generation requests by endpoint and outcome: a finish reason, client_disconnected, or an HTTP error status",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter("iterserve_gateway_prompt_tokens", "Prompt tokens accepted", registry=self.registry)
+        self.completion_tokens = Counter(
+            "iterserve_gateway_completion_tokens", "Output tokens delivered", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "iterserve_gateway_time_to_first_token_seconds",
+            "From request arrival to its first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "iterserve_gateway_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request",
+            buckets=TOKEN_TIME_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "iterserve_gateway_e2e_request_latency_seconds",
+            "From request arrival to its final token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "iterserve_gateway_requests_in_flight", "Generation requests this gateway is answering", registry=self.registry
+        )
+        self.waiting = Gauge("iterserve_scheduler_waiting_requests", "Requests waiting (scheduler heartbeat)", registry=self.registry)
+        self.running = Gauge("iterserve_scheduler_running_requests", "Requests running (scheduler heartbeat)", registry=self.registry)
+        self.live_workers = Gauge("iterserve_live_workers", "Workers whose heartbeat key exists", registry=self.registry)
+        self.kv_blocks_free = Gauge(
+            "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=self.registry
+        )
+        self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=self.registry)
+
+    def observe_cluster(self, view: ClusterView | None) -> None:
+        """Refresh the gauges read from heartbeat keys (None: Redis did not answer)."""
+        self.redis_up.set(0 if view is None else 1)
+        if view is None:
+            return
+        self.waiting.set(view.scheduler.waiting if view.scheduler else 0)
+        self.running.set(view.scheduler.running if view.scheduler else 0)
+        self.live_workers.set(len(view.live_worker_ids))
+        self.kv_blocks_free.clear()
+        for worker in view.workers:
+            self.kv_blocks_free.labels(worker.worker_id).set(worker.kv_blocks_free)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

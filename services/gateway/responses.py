@@ -1,0 +1,91 @@
+"""OpenAI response bodies and stream chunks for the two generation endpoints (pure functions)."""
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerationParams
+
+DONE_EVENT = b"data: [DONE]\n\n"
+KEEPALIVE_EVENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it, a gone client fails the write
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str  # metrics and log label
+    request_type: type[GenerationParams]
+    id_prefix: str
+    object_name: str
+    chunk_object_name: str
+    prompt_param: str  # which field a too-long prompt is blamed on
+    is_chat: bool
+
+    def new_request_id(self) -> str:
+        return f"{self.id_prefix}{secrets.token_hex(16)}"
+
+
+COMPLETIONS = Endpoint("completions", CompletionRequest, "cmpl-", "text_completion", "text_completion", "prompt", False)
+CHAT = Endpoint("chat", ChatCompletionRequest, "chatcmpl-", "chat.completion", "chat.completion.chunk", "messages", True)
+
+
+def endpoint_of(request_id: str) -> Endpoint:
+    return CHAT if request_id.startswith(CHAT.id_prefix) else COMPLETIONS
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def final_body(
+    endpoint: Endpoint, request_id: str, created: int, model: str, text: str, finish_reason: str, token_usage: dict
+) -> dict:
+    if endpoint.is_chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": endpoint.object_name,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": token_usage,
+    }
+
+
+class ChunkWriter:
+    """Builds one request's SSE events in the OpenAI streaming format."""
+
+    def __init__(self, endpoint: Endpoint, request_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.endpoint = endpoint
+        self.include_usage = include_usage
+        self._base = {"id": request_id, "object": endpoint.chunk_object_name, "created": created, "model": model}
+
+    def _event(self, choices: list[dict], token_usage: dict | None = None) -> bytes:
+        chunk = {**self._base, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = token_usage  # null on every chunk but the last, as OpenAI does
+        return sse(chunk)
+
+    def role(self) -> bytes:
+        """The first chat chunk: it names the role, as OpenAI's does."""
+        return self._event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+
+    def text(self, text: str, finish_reason: str | None = None) -> bytes:
+        if self.endpoint.is_chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._event([choice])
+
+    def usage(self, token_usage: dict) -> bytes:
+        return self._event([], token_usage)
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"

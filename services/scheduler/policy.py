@@ -1,0 +1,519 @@
+"""Iteration-level scheduling (Orca, OSDI'22, Algorithm 1) over several workers: pure bookkeeping.
+
+Each worker is an independent replica with its own paged KV cache. For one worker at a time,
+`next_plan` picks the requests of its next iteration: its running requests first (decode steps,
+then prefill chunks, each first-come first-served), then waiting requests while the batch has
+room (max_batch_size requests, max_batch_tokens tokens, and KV blocks). `on_result` takes the
+worker's sampled tokens back and decides which requests finished, so a waiting request joins
+at the very next iteration. The "request" policy is the FasterTransformer-style baseline: a
+worker forms a batch only when it runs nothing, and nothing joins until the whole batch is done.
+
+No Redis, no asyncio, no tensors here: services/scheduler/service.py moves the messages.
+"""
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
+from shared.messages import (
+    BatchPlan,
+    FinishReason,
+    IterationRecord,
+    NewRequest,
+    PlanResult,
+    RequestRecord,
+    StepItem,
+)
+
+log = logging.getLogger("iterserve.scheduler")
+
+Policy = Literal["iteration", "request"]
+MAX_ITEM_ERRORS = 3  # worker errors on one request's items before it fails (a rebuild fixes most)
+
+
+@dataclass(frozen=True)
+class TokenOutcome:
+    """One sampled token taken into a request's output."""
+
+    request: RequestState
+    token_id: int
+    output_index: int
+    finish_reason: FinishReason | None  # set when this token ends the request
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(eq=False)
+class _RecordDraft:
+    """An IterationRecord whose `finished` may still grow (stop strings are found after on_result)."""
+
+    in_flight: PlanInFlight
+    finished: list[str] = field(default_factory=list)
+    finished_at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The iteration being built for one worker."""
+
+    worker: WorkerState
+    budget: int  # tokens left in max_batch_tokens
+    chunks: dict[str, int] = field(default_factory=dict)  # request id -> tokens fed this step
+    admitted: list[str] = field(default_factory=list)
+
+
+def status_for(reason: FinishReason) -> Literal["finished", "cancelled", "failed"]:
+    return {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")  # type: ignore[return-value]
+
+
+class SchedulerPolicy:
+    def __init__(
+        self,
+        epoch: str,
+        *,
+        context_length: int,
+        stop_token_ids: Iterable[int],
+        policy: Policy = "iteration",
+        max_batch_size: int = 64,
+        max_batch_tokens: int = 512,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if policy not in ("iteration", "request"):
+            raise ValueError(f"unknown policy {policy!r}")
+        self.epoch = epoch
+        self.policy: Policy = policy
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.context_length = context_length
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self._clock = clock
+        self._requests: dict[str, RequestState] = {}  # waiting and running
+        self._waiting: list[tuple[float, int, str]] = []  # sorted by arrival: FCFS
+        self._workers: dict[str, WorkerState] = {}
+        self._arrivals = 0
+        self._next_plan_id = 1
+        self._iterations = 0
+        self._drafts: list[_RecordDraft] = []
+        self._latest_draft: dict[str, _RecordDraft] = {}
+        self._finished_without_token: list[RequestState] = []
+
+    # The pool of requests
+
+    def add_request(self, record: RequestRecord, output_token_ids: Iterable[int] = ()) -> RequestState:
+        """Queue a request (with its output so far when rebuilt after a scheduler restart).
+
+        A request that cannot run, or whose given output already ends it, is finished at once
+        and reported by take_finished_without_token().
+        """
+        existing = self._requests.get(record.request_id)
+        if existing is not None:
+            return existing
+        state = RequestState(record=record, arrival_seq=self._arrivals, output_token_ids=list(output_token_ids))
+        self._arrivals += 1
+        reason: FinishReason | None
+        if not record.prompt_token_ids:
+            reason = "error"
+        elif len(record.prompt_token_ids) >= self.context_length:
+            reason = "length"
+        else:
+            reason = self._finish_reason_after_output(state) if state.output_token_ids else None
+        if reason is not None:
+            state.status, state.finish_reason = status_for(reason), reason
+            self._finished_without_token.append(state)
+            log.info("finished request_id=%s reason=%s at_add output_tokens=%d",
+                     state.request_id, reason, len(state.output_token_ids))
+            return state
+        self._requests[state.request_id] = state
+        self._enqueue(state)
+        return state
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    def cancel(self, request_id: str) -> RequestState | None:
+        """Drop a waiting or running request; its worker frees the KV with its next plan."""
+        return self.finish(request_id, "cancelled")
+
+    def finish(self, request_id: str, reason: FinishReason, *, without_token: bool = False) -> RequestState | None:
+        """End a request (e.g. a stop string found by the service); None when it was not active.
+
+        without_token: no token event carries the news, so take_finished_without_token() reports it.
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        self._end(state, reason)
+        if without_token:
+            self._finished_without_token.append(state)
+        return state
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running_count(self) -> int:
+        return len(self._requests) - len(self._waiting)
+
+    def take_finished_without_token(self) -> list[RequestState]:
+        """Requests that ended without a token to carry the news (bad prompt, no KV can hold them,
+        worker errors, output that was already complete when rebuilt)."""
+        finished, self._finished_without_token = self._finished_without_token, []
+        return finished
+
+    def take_iteration_records(self) -> list[IterationRecord]:
+        drafts, self._drafts = self._drafts, []
+        self._latest_draft.clear()
+        records = []
+        for draft in drafts:
+            flight = draft.in_flight
+            self._iterations += 1
+            records.append(IterationRecord(
+                iteration=self._iterations,
+                worker_id=flight.plan.worker_id,
+                plan_id=flight.plan.plan_id,
+                request_ids=tuple(item.request_id for item in flight.plan.items),
+                joined=flight.joined,
+                finished=tuple(draft.finished),
+                prefill_tokens=flight.prefill_tokens,
+                decode_tokens=flight.decode_tokens,
+                started_at=flight.started_at,
+                finished_at=draft.finished_at,
+            ))
+        return records
+
+    # Workers
+
+    def worker_up(self, worker_id: str, kv_blocks_total: int, kv_block_size: int) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            if (worker.kv_blocks_total, worker.kv_block_size) == (kv_blocks_total, kv_block_size):
+                return
+            self.worker_down(worker_id)  # a different cache: a different worker under the same name
+        self._workers[worker_id] = WorkerState(worker_id, kv_blocks_total, kv_block_size)
+        log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d",
+                 worker_id, kv_blocks_total, kv_block_size)
+
+    def worker_down(self, worker_id: str) -> list[str]:
+        """Forget a worker; its requests wait again (FCFS place kept), to be rebuilt elsewhere."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return []
+        moved = list(worker.running)
+        for state in list(worker.running.values()):
+            self._requeue(worker, state)
+        self._latest_draft.pop(worker_id, None)
+        log.info("worker_down worker_id=%s requeued=%d abandoned_plan=%s", worker_id, len(moved),
+                 worker.in_flight.plan.plan_id if worker.in_flight else None)
+        return moved
+
+    def reset_worker(self, worker_id: str) -> list[str]:
+        """Abandon a worker's plan in flight (lost, or far too slow) and rebuild its requests:
+        its next plan frees them all, whatever it did with the lost one."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return []
+        moved = list(worker.running)
+        for state in list(worker.running.values()):
+            self._requeue(worker, state)
+        worker.known.clear()
+        if worker.in_flight is not None:
+            for new in worker.in_flight.plan.new_requests:
+                worker.to_free.setdefault(new.request_id)
+            for request_id in worker.in_flight.plan.free_request_ids:
+                worker.to_free.setdefault(request_id)
+        worker.in_flight = None
+        log.warning("worker_reset worker_id=%s requeued=%d", worker_id, len(moved))
+        return moved
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.draining != draining:
+            worker.draining = draining
+            log.info("worker_draining worker_id=%s draining=%s", worker_id, draining)
+
+    def worker(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(self._workers)
+
+    def idle_workers(self) -> list[str]:
+        """Workers with no plan in flight, the one with the most free KV first (it gets the oldest
+        waiting request when several plan at once)."""
+        idle = [worker for worker in self._workers.values() if worker.in_flight is None]
+        idle.sort(key=lambda worker: (-worker.kv_blocks_free, worker.worker_id))
+        return [worker.worker_id for worker in idle]
+
+    # Iterations
+
+    def next_plan(self, worker_id: str) -> BatchPlan | None:
+        """The worker's next iteration, or None while its plan is in flight or it has nothing to do."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.in_flight is not None:
+            return None
+        batch = _Batch(worker, budget=self.max_batch_tokens)
+        forming = not worker.running  # the request policy admits only into an empty worker
+        self._schedule_running(batch)
+        if not worker.draining and (self.policy == "iteration" or forming):
+            self._admit_waiting(batch)
+        if not batch.chunks and not worker.to_free:
+            return None
+        return self._emit_plan(batch)
+
+    def on_result(self, result: PlanResult) -> list[TokenOutcome]:
+        """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided."""
+        worker = self._workers.get(result.worker_id)
+        flight = worker.in_flight if worker is not None else None
+        if (
+            worker is None
+            or flight is None
+            or result.scheduler_epoch != self.epoch
+            or result.plan_id != flight.plan.plan_id
+        ):
+            log.debug("stale_result worker_id=%s plan_id=%d epoch=%s",
+                      result.worker_id, result.plan_id, result.scheduler_epoch)
+            return []
+        worker.in_flight = None
+        draft = _RecordDraft(flight, finished_at=self._clock())
+        self._drafts.append(draft)
+        self._latest_draft[worker.worker_id] = draft
+        errors = {error.request_id: error for error in result.errors}
+        sampled = {token.request_id: token for token in result.tokens}
+        outcomes: list[TokenOutcome] = []
+        for item in flight.plan.items:
+            state = worker.running.get(item.request_id)
+            if state is None or state.computed != item.start_position:
+                continue  # finished, cancelled or moved while the plan was in flight
+            error = errors.get(item.request_id)
+            if error is not None:
+                self._on_item_error(worker, state, error.code, error.message)
+                continue
+            state.computed = item.start_position + len(item.token_ids)
+            if not item.sample:
+                continue
+            token = sampled.get(item.request_id)
+            if token is None or token.output_index != item.output_index:
+                self._on_item_error(worker, state, "bad_item",
+                                    f"expected a token at output_index {item.output_index}, got {token}")
+                continue
+            if token.output_index < len(state.output_token_ids):
+                continue  # already have it
+            state.output_token_ids.append(token.token_id)
+            reason = self._finish_reason_after_output(state)
+            if reason is not None:
+                self._end(state, reason)
+            outcomes.append(TokenOutcome(state, token.token_id, token.output_index, reason))
+        return outcomes
+
+    # Internals: building a plan
+
+    def _schedule_running(self, batch: _Batch) -> None:
+        """Running requests step first: decodes (one token each), then prefill chunks, FCFS."""
+        worker = batch.worker
+        order = sorted(worker.running.values(), key=lambda state: (not state.is_decoding, state.fcfs_key))
+        for state in order:
+            if batch.budget <= 0:
+                break
+            if state.request_id not in worker.running or state.pending_tokens <= 0:
+                continue  # preempted to make room for an older one
+            chunk = min(state.pending_tokens, batch.budget)
+            if self._make_room(batch, state, state.computed + chunk):
+                batch.chunks[state.request_id] = chunk
+                batch.budget -= chunk
+
+    def _make_room(self, batch: _Batch, state: RequestState, tokens_after_step: int) -> bool:
+        """Reserve KV blocks for a step, preempting the youngest running requests while they do not
+        fit; False when the request itself was the youngest and was preempted (or can never fit)."""
+        worker = batch.worker
+        needed = worker.blocks_for(tokens_after_step) - state.kv_blocks
+        while needed > worker.kv_blocks_free:
+            victim = max(worker.running.values(), key=lambda running: running.fcfs_key)
+            if victim is state and len(worker.running) == 1:
+                # Alone on the worker and still too big: no amount of waiting helps.
+                self._end(state, "length")
+                self._finished_without_token.append(state)
+                return False
+            batch.budget += batch.chunks.pop(victim.request_id, 0)
+            if victim.request_id in batch.admitted:
+                batch.admitted.remove(victim.request_id)
+            self._preempt(worker, victim, "kv_full")
+            if victim is state:
+                return False
+        if needed > 0:
+            state.kv_blocks += needed
+            worker.kv_blocks_reserved += needed
+        return True
+
+    def _admit_waiting(self, batch: _Batch) -> None:
+        """Waiting requests join FCFS while the batch and the KV cache have room."""
+        worker = batch.worker
+        claimed: dict[str, tuple[int, int]] = {}  # other workers: blocks, requests meant for them
+        for _, _, request_id in list(self._waiting):
+            if len(worker.running) >= self.max_batch_size:
+                break
+            if self.policy == "iteration" and batch.budget <= 0:
+                break
+            if request_id in worker.to_free:
+                continue  # leaving this worker in this very plan: it may come back in a later one
+            state = self._requests[request_id]
+            blocks = worker.blocks_for(state.total_tokens)
+            target = self._admission_target(state, worker, claimed)
+            if target is None:
+                if not any(other.blocks_for(state.total_tokens + 1) <= other.kv_blocks_total
+                           for other in self._workers.values()):
+                    self._end(state, "length")
+                    self._finished_without_token.append(state)
+                    log.warning("request_id=%s needs more KV than any worker has", request_id)
+                continue
+            if target is not worker and not (target.in_flight is not None and blocks <= worker.kv_blocks_free):
+                # Meant for a worker with more free KV that plans soon; an idle worker with room
+                # takes it rather than let it wait for a busy one.
+                target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
+                claimed[target.worker_id] = (target_blocks + target.blocks_for(state.total_tokens), target_count + 1)
+                continue
+            if blocks > worker.kv_blocks_free:
+                break  # the oldest waiting request waits for room; younger ones do not overtake it
+            self._admit(batch, state, blocks)
+
+    def _admission_target(self, state: RequestState, planning: WorkerState,
+                          claimed: dict[str, tuple[int, int]]) -> WorkerState | None:
+        """The live worker with the most free KV blocks that takes new requests (ties: the planning
+        worker, then the smaller id)."""
+        best: tuple[tuple, WorkerState] | None = None
+        for worker in self._workers.values():
+            if worker.draining or worker.blocks_for(state.total_tokens + 1) > worker.kv_blocks_total:
+                continue
+            claimed_blocks, claimed_count = claimed.get(worker.worker_id, (0, 0))
+            if worker is not planning:
+                if self.policy == "request" and worker.running:
+                    continue
+                if len(worker.running) + claimed_count >= self.max_batch_size:
+                    continue
+            key = (-(worker.kv_blocks_free - claimed_blocks), worker is not planning, worker.worker_id)
+            if best is None or key < best[0]:
+                best = (key, worker)
+        return best[1] if best else None
+
+    def _admit(self, batch: _Batch, state: RequestState, blocks: int) -> None:
+        worker = batch.worker
+        self._dequeue(state)
+        state.status, state.worker_id, state.computed = "running", worker.worker_id, 0
+        state.kv_blocks, state.stepped_on_worker = blocks, False
+        worker.kv_blocks_reserved += blocks
+        worker.running[state.request_id] = state
+        batch.admitted.append(state.request_id)
+        chunk = min(state.total_tokens, batch.budget)
+        if chunk > 0:  # the request policy admits its whole batch even past the token budget
+            batch.chunks[state.request_id] = chunk
+            batch.budget -= chunk
+        log.info("admitted request_id=%s worker_id=%s tokens=%d output_tokens=%d",
+                 state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids))
+
+    def _emit_plan(self, batch: _Batch) -> BatchPlan:
+        worker = batch.worker
+        items, joined = [], []
+        prefill_tokens = decode_tokens = 0
+        for request_id, chunk in batch.chunks.items():
+            state = worker.running[request_id]
+            start, end = state.computed, state.computed + chunk
+            if state.is_decoding:
+                decode_tokens += chunk
+            else:
+                prefill_tokens += chunk
+            if not state.stepped_on_worker:
+                joined.append(request_id)
+                state.stepped_on_worker = True
+            items.append(StepItem(
+                request_id=request_id,
+                token_ids=state.tokens(start, end),
+                start_position=start,
+                sample=end == state.total_tokens,
+                output_index=len(state.output_token_ids),
+            ))
+        new_requests = [
+            NewRequest(request_id=request_id, sampling=worker.running[request_id].sampling)
+            for request_id in worker.running
+            if request_id not in worker.known
+        ]
+        worker.known.update(new.request_id for new in new_requests)
+        plan = BatchPlan(
+            scheduler_epoch=self.epoch,
+            plan_id=self._next_plan_id,
+            worker_id=worker.worker_id,
+            new_requests=tuple(new_requests),
+            items=tuple(items),
+            free_request_ids=tuple(worker.to_free),
+        )
+        self._next_plan_id += 1
+        worker.to_free.clear()
+        worker.in_flight = PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens)
+        return plan
+
+    # Internals: request lifecycle
+
+    def _finish_reason_after_output(self, state: RequestState) -> FinishReason | None:
+        if state.output_token_ids[-1] in self.stop_token_ids and not state.sampling.ignore_eos:
+            return "stop"
+        if len(state.output_token_ids) >= state.sampling.max_tokens:
+            return "length"
+        if state.total_tokens >= self.context_length:
+            return "length"
+        return None
+
+    def _on_item_error(self, worker: WorkerState, state: RequestState, code: str, message: str) -> None:
+        state.item_errors += code != "kv_cache_full"  # a full cache is a reason to wait, not a fault
+        if state.item_errors >= MAX_ITEM_ERRORS:
+            log.error("failed request_id=%s worker_id=%s code=%s message=%s", state.request_id,
+                      worker.worker_id, code, message)
+            self._end(state, "error")
+            self._finished_without_token.append(state)
+            return
+        log.warning("item_error request_id=%s worker_id=%s code=%s message=%s", state.request_id,
+                    worker.worker_id, code, message)
+        self._preempt(worker, state, code)
+
+    def _preempt(self, worker: WorkerState, state: RequestState, why: str) -> None:
+        self._requeue(worker, state)
+        log.info("preempted request_id=%s worker_id=%s reason=%s output_tokens=%d",
+                 state.request_id, worker.worker_id, why, len(state.output_token_ids))
+
+    def _release(self, state: RequestState) -> None:
+        """Take a request off its worker: the worker frees its KV with its next plan."""
+        worker = self._workers.get(state.worker_id) if state.worker_id else None
+        if worker is not None and worker.running.pop(state.request_id, None) is not None:
+            worker.kv_blocks_reserved -= state.kv_blocks
+            worker.known.discard(state.request_id)
+            worker.to_free.setdefault(state.request_id)
+        state.worker_id, state.computed, state.kv_blocks = None, 0, 0
+
+    def _requeue(self, worker: WorkerState, state: RequestState) -> None:
+        self._release(state)
+        state.status = "waiting"
+        self._enqueue(state)
+
+    def _end(self, state: RequestState, reason: FinishReason) -> None:
+        draft = self._latest_draft.get(state.worker_id) if state.worker_id else None
+        if draft is not None and any(item.request_id == state.request_id for item in draft.in_flight.plan.items):
+            draft.finished.append(state.request_id)
+        if state.status == "waiting":
+            self._dequeue(state)
+        self._release(state)
+        state.status, state.finish_reason = status_for(reason), reason
+        self._requests.pop(state.request_id, None)
+
+    def _enqueue(self, state: RequestState) -> None:
+        bisect.insort(self._waiting, (*state.fcfs_key, state.request_id))
+
+    def _dequeue(self, state: RequestState) -> None:
+        entry = (*state.fcfs_key, state.request_id)
+        index = bisect.bisect_left(self._waiting, entry)
+        if index < len(self._waiting) and self._waiting[index] == entry:
+            del self._waiting[index]

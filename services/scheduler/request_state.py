@@ -1,0 +1,97 @@
+"""One request's state in the scheduler, and one worker's (the nano-vllm Sequence and block
+manager, split across processes): pure data, no Redis, no tensors."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.messages import BatchPlan, FinishReason, RequestRecord, SamplingParams
+
+Phase = Literal["waiting", "running", "finished", "cancelled", "failed"]
+
+
+@dataclass(eq=False)
+class RequestState:
+    record: RequestRecord
+    arrival_seq: int  # breaks ties between equal arrival times, so FCFS stays deterministic
+    output_token_ids: list[int] = field(default_factory=list)
+    worker_id: str | None = None  # the worker holding its KV (None while waiting)
+    computed: int = 0  # tokens of prompt + output already in that worker's KV
+    kv_blocks: int = 0  # KV blocks reserved for it on that worker
+    status: Phase = "waiting"
+    finish_reason: FinishReason | None = None
+    stepped_on_worker: bool = False  # has had a step on its current worker (for IterationRecord.joined)
+    item_errors: int = 0  # worker errors on its items; too many fail the request
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.record.prompt_token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.record.sampling
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.record.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Known tokens not yet in the worker's KV (1 for a decode step, more for a (re)prefill)."""
+        return self.total_tokens - self.computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its next step feeds only the token sampled at its previous step."""
+        return bool(self.output_token_ids) and self.computed == self.total_tokens - 1
+
+    @property
+    def fcfs_key(self) -> tuple[float, int]:
+        return (self.record.arrival_time, self.arrival_seq)
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ("waiting", "running")
+
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens [start, end) of prompt + output, without joining the two."""
+        prompt = self.record.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        from_output = tuple(self.output_token_ids[max(0, start - len(prompt)) : end - len(prompt)])
+        return (prompt[start:] if start < len(prompt) else ()) + from_output
+
+
+@dataclass(eq=False)
+class PlanInFlight:
+    """The one plan a worker is running, kept until its result comes back."""
+
+    plan: BatchPlan
+    started_at: float
+    joined: tuple[str, ...]
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass(eq=False)
+class WorkerState:
+    worker_id: str
+    kv_blocks_total: int
+    kv_block_size: int
+    draining: bool = False  # takes no new requests
+    running: dict[str, RequestState] = field(default_factory=dict)  # in admission order
+    known: set[str] = field(default_factory=set)  # got their NewRequest since they were last freed here
+    to_free: dict[str, None] = field(default_factory=dict)  # left this worker since its last plan
+    kv_blocks_reserved: int = 0
+    in_flight: PlanInFlight | None = None
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_reserved
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.kv_block_size)

@@ -1,0 +1,520 @@
+"""The scheduler process: moves SchedulerPolicy's plans and results over Redis (docs/protocol.md).
+
+One asyncio task, one loop. Each turn: check worker liveness (every few hundred ms), load the
+requests that arrived, send a plan to every idle worker that has work, then in one Redis round
+trip write everything the turn produced (plans, output tokens, finishes, iteration records)
+and wait briefly (XREAD BLOCK) on the new-request, cancel and result streams at once. So each
+worker runs at its own cadence: its next plan leaves as soon as its result is read.
+
+Output token i of a request is stream entry id 0-(i+1) of its token stream: a write repeated
+after a lost reply, or by a restarted scheduler, is refused by Redis instead of duplicated.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from services.scheduler.policy import SchedulerPolicy, TokenOutcome, status_for
+from services.scheduler.request_state import RequestState
+from shared import keys
+from shared.config import Settings
+from shared.messages import (
+    FinishReason,
+    PlanResult,
+    RequestRecord,
+    SchedulerInfo,
+    TokenEvent,
+    WorkerInfo,
+)
+from shared.model_file import load_metadata
+from shared.redis_connection import RECONNECT_ERRORS, connect
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back_length
+from shared.wire import WireError, decode, encode
+
+log = logging.getLogger("iterserve.scheduler")
+
+READ_COUNT = 512  # entries per stream per XREAD
+LOAD_BATCH = 256  # requests loaded per round trip
+MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
+REDIS_SLACK_SECONDS = 10.0  # a Redis call may take this much longer than its own block time
+BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
+PLAN_STREAM_MAXLEN = 1000
+ITERATIONS_STREAM_MAXLEN = 100_000
+STARTUP_CANCELS = 1000  # recent cancels re-read at start: some may target requests still active
+REMEMBERED_IDS = 100_000  # recently finished ids (dedupe), and cancels of requests not yet seen
+
+
+def token_entry_id(index: int) -> str:
+    return f"0-{index + 1}"
+
+
+@dataclass(eq=False)
+class OutputText:
+    """A request's output text as streamed so far."""
+
+    detokenizer: IncrementalDetokenizer
+    emitted: int = 0  # characters of detokenizer.text already sent in TokenEvents
+    checked: int = 0  # characters already searched for stop strings
+
+
+class BoundedSet:
+    """Insertion-ordered set that forgets its oldest members beyond a limit."""
+
+    def __init__(self, limit: int) -> None:
+        self._items: OrderedDict[str, None] = OrderedDict()
+        self._limit = limit
+
+    def add(self, item: str) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        while len(self._items) > self._limit:
+            self._items.popitem(last=False)
+
+    def discard(self, item: str) -> None:
+        self._items.pop(item, None)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+
+def _text(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, redis: Any, tokenizer: Tokenizer, context_length: int,
+                 epoch: str | None = None) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.tokenizer = tokenizer
+        self.epoch = epoch or uuid.uuid4().hex
+        self.policy = SchedulerPolicy(
+            self.epoch,
+            context_length=context_length,
+            stop_token_ids=tokenizer.stop_token_ids,
+            policy=settings.policy,
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+        )
+        self.started_at = time.time()
+        self.last_iteration_at = 0.0
+        self.iterations = 0
+        self._outputs: dict[str, OutputText] = {}
+        self._writes: list[tuple[str, tuple, dict]] = []  # commands for the next round trip
+        self._marked_running: set[str] = set()  # status "running" written in this run
+        self._recently_finished = BoundedSet(REMEMBERED_IDS)
+        self._early_cancels = BoundedSet(REMEMBERED_IDS)  # cancels of requests not loaded yet
+        self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
+        self._worker_started_at: dict[str, float] = {}
+        self._stream_ids = {keys.NEW_REQUESTS_STREAM: "0-0", keys.CANCEL_STREAM: "0-0", keys.RESULTS_STREAM: "0-0"}
+        self._loaded = False
+        self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
+        self._next_poll = 0.0
+        self._next_heartbeat = 0.0
+
+    # Running
+
+    async def run(self, stop_event: asyncio.Event) -> None:
+        log.info("scheduler_started epoch=%s policy=%s pid=%d", self.epoch, self.settings.policy, os.getpid())
+        backoff = BACKOFF_START_SECONDS
+        while not stop_event.is_set():
+            try:
+                if not self._loaded:
+                    await self.load_state()
+                await self.turn()
+                backoff = BACKOFF_START_SECONDS
+            except (*RECONNECT_ERRORS, asyncio.TimeoutError) as error:
+                log.warning("redis_unavailable error=%r retry_in=%.2fs", error, backoff)
+                await self._sleep(stop_event, backoff)
+                backoff = min(backoff * 2, BACKOFF_CAP_SECONDS)
+            except Exception:  # a bug must not take the whole server down: log it and go on
+                log.exception("turn_failed retry_in=%.2fs", backoff)
+                await self._sleep(stop_event, backoff)
+                backoff = min(backoff * 2, BACKOFF_CAP_SECONDS)
+        await self._shutdown()
+
+    @staticmethod
+    async def _sleep(stop_event: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop_event.wait(), timeout=seconds)
+
+    async def _shutdown(self) -> None:
+        """Best effort: write what is pending and take the heartbeat key down."""
+        try:
+            self._queue("delete", keys.SCHEDULER_HEARTBEAT)
+            await asyncio.wait_for(self._round_trip(block_ms=None, read=False), timeout=REDIS_SLACK_SECONDS)
+        except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError) as error:
+            log.warning("shutdown_write_failed error=%r", error)
+        log.info("scheduler_stopped epoch=%s iterations=%d", self.epoch, self.iterations)
+
+    async def turn(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_poll:
+            await self.poll_workers()
+            self._next_poll = now + self._poll_interval
+        self._abandon_stalled_plans()
+        if now >= self._next_heartbeat:
+            self._queue_heartbeat()
+            self._next_heartbeat = now + self.settings.heartbeat_seconds
+        if self._pending_new:
+            batch = self._pending_new[:LOAD_BATCH]
+            await self.load_requests(batch)
+            del self._pending_new[: len(batch)]
+        self._dispatch()
+        if self._pending_new:
+            block_ms = None  # more requests to load: do not wait
+        else:
+            until_timer = min(self._next_poll, self._next_heartbeat) - time.monotonic()
+            block_ms = max(1, min(MAX_BLOCK_MS, int(until_timer * 1000)))
+        entries = await self._round_trip(block_ms)
+        self._handle_entries(entries)
+
+    # Startup: rebuild the pool from Redis
+
+    async def load_state(self) -> None:
+        """Note where the streams end, then load every active request with its output so far."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrevrange(keys.NEW_REQUESTS_STREAM, count=1)
+        pipe.xrevrange(keys.CANCEL_STREAM, count=STARTUP_CANCELS)
+        pipe.xrevrange(keys.RESULTS_STREAM, count=1)
+        pipe.smembers(keys.ACTIVE_REQUESTS_SET)
+        new_tail, cancels, results_tail, active = await asyncio.wait_for(pipe.execute(), REDIS_SLACK_SECONDS)
+        for stream, tail in ((keys.NEW_REQUESTS_STREAM, new_tail), (keys.CANCEL_STREAM, cancels),
+                             (keys.RESULTS_STREAM, results_tail)):
+            if tail:
+                self._stream_ids[stream] = _text(tail[0][0])
+        for _, fields in reversed(cancels):
+            request_id = _text(fields.get(b"id"))
+            if request_id:
+                self._early_cancels.add(request_id)
+        active_ids = sorted(_text(member) for member in active)
+        for start in range(0, len(active_ids), LOAD_BATCH):
+            await self.load_requests(active_ids[start : start + LOAD_BATCH])
+        self._loaded = True
+        log.info("pool_loaded epoch=%s active=%d waiting=%d", self.epoch, len(active_ids), self.policy.waiting_count)
+
+    async def load_requests(self, request_ids: list[str]) -> None:
+        """Add requests (new ones, or active ones after a restart with their output so far)."""
+        request_ids = [request_id for request_id in dict.fromkeys(request_ids)
+                       if self.policy.get(request_id) is None and request_id not in self._recently_finished]
+        if not request_ids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hget(keys.request_key(request_id), "record")
+            pipe.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
+            pipe.xrange(keys.token_stream(request_id))
+        replies = await asyncio.wait_for(pipe.execute(), REDIS_SLACK_SECONDS)
+        for position, request_id in enumerate(request_ids):
+            raw_record, active, entries = replies[3 * position : 3 * position + 3]
+            self._load_one(request_id, raw_record, bool(active), entries)
+        self._publish_finished_without_token()
+
+    def _load_one(self, request_id: str, raw_record: bytes | None, active: bool, entries: list) -> None:
+        if not active:
+            return  # finished before we saw it (a duplicate stream entry, or a restart)
+        events: dict[int, TokenEvent] = {}
+        for entry_id, fields in entries:
+            try:
+                event = decode(TokenEvent, fields.get(b"m", b""))
+            except WireError as error:
+                log.warning("malformed_token_event request_id=%s entry=%s error=%s", request_id, _text(entry_id), error)
+                continue
+            if event.finish_reason is not None:
+                log.info("already_finished request_id=%s reason=%s", request_id, event.finish_reason)
+                self._write_end(request_id, event.finish_reason, event.completion_tokens)
+                return
+            events.setdefault(event.index, event)
+        output_token_ids: list[int] = []
+        while len(output_token_ids) in events and events[len(output_token_ids)].token_id >= 0:
+            output_token_ids.append(events[len(output_token_ids)].token_id)
+        if raw_record is None:
+            log.warning("request_without_record request_id=%s", request_id)
+            self._queue("srem", keys.ACTIVE_REQUESTS_SET, request_id)
+            return
+        try:
+            record = decode(RequestRecord, raw_record)
+        except WireError as error:
+            log.error("malformed_record request_id=%s error=%s", request_id, error)
+            self._xadd_event(request_id, TokenEvent(index=len(output_token_ids), token_id=-1, text="",
+                                                    finish_reason="error"))
+            self._write_end(request_id, "error", len(output_token_ids))
+            return
+        output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids))
+        for token_id in output_token_ids:
+            output.detokenizer.push(token_id)
+        output.emitted = sum(len(events[index].text) for index in range(len(output_token_ids)))
+        output.checked = len(output.detokenizer.text)
+        self._outputs[request_id] = output
+        state = self.policy.add_request(record, output_token_ids)
+        log.info("loaded request_id=%s prompt_tokens=%d output_tokens=%d", request_id,
+                 len(record.prompt_token_ids), len(output_token_ids))
+        if state.is_active and record.sampling.stop and find_stop(output.detokenizer.text, record.sampling.stop) != -1:
+            self.policy.finish(request_id, "stop", without_token=True)  # output already holds a stop string
+        if request_id in self._early_cancels:
+            self._early_cancels.discard(request_id)
+            self._cancel(request_id)
+
+    # Workers
+
+    async def poll_workers(self) -> None:
+        """Liveness: a worker is alive while its heartbeat key exists."""
+        members = await asyncio.wait_for(self.redis.smembers(keys.WORKERS_SET), REDIS_SLACK_SECONDS)
+        worker_ids = sorted(_text(member) for member in members)
+        values = []
+        if worker_ids:
+            values = await asyncio.wait_for(
+                self.redis.mget([keys.worker_heartbeat(worker_id) for worker_id in worker_ids]), REDIS_SLACK_SECONDS)
+        seen = set()
+        for worker_id, value in zip(worker_ids, values, strict=True):
+            if value is None:
+                if worker_id in self.policy.worker_ids:
+                    log.warning("worker_dead worker_id=%s", worker_id)
+                    self.policy.worker_down(worker_id)
+                self._worker_started_at.pop(worker_id, None)
+                self._queue("srem", keys.WORKERS_SET, worker_id)
+                continue
+            try:
+                info = decode(WorkerInfo, value)
+            except WireError as error:
+                log.warning("malformed_worker_info worker_id=%s error=%s", worker_id, error)
+                seen.add(worker_id)  # alive, whatever it wrote: keep what we know
+                continue
+            seen.add(worker_id)
+            started_at = self._worker_started_at.get(worker_id)
+            if started_at is not None and started_at != info.started_at:
+                log.warning("worker_restarted worker_id=%s", worker_id)
+                self.policy.worker_down(worker_id)
+            if worker_id not in self.policy.worker_ids:
+                self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size)
+            self._worker_started_at[worker_id] = info.started_at
+            self.policy.set_draining(worker_id, info.draining)
+        for worker_id in self.policy.worker_ids:
+            if worker_id not in seen:
+                log.warning("worker_gone worker_id=%s", worker_id)
+                self.policy.worker_down(worker_id)
+                self._worker_started_at.pop(worker_id, None)
+
+    def _abandon_stalled_plans(self) -> None:
+        """A plan or its result lost (e.g. Redis restarted without it): the worker would wait forever."""
+        now = time.time()
+        for worker_id in self.policy.worker_ids:
+            worker = self.policy.worker(worker_id)
+            if worker.in_flight is not None and now - worker.in_flight.started_at > self.settings.stall_seconds:
+                log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight.plan.plan_id)
+                self.policy.reset_worker(worker_id)
+
+    def _dispatch(self) -> None:
+        for worker_id in self.policy.idle_workers():
+            plan = self.policy.next_plan(worker_id)
+            if plan is None:
+                continue
+            self._queue("xadd", keys.plan_stream(worker_id), {"m": encode(plan)},
+                        maxlen=PLAN_STREAM_MAXLEN, approximate=True)
+            for item in plan.items:
+                if item.request_id not in self._marked_running:
+                    self._marked_running.add(item.request_id)
+                    self._queue("hset", keys.request_key(item.request_id), "status", "running")
+            log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
+                      len(plan.items), len(plan.new_requests), len(plan.free_request_ids))
+        self._publish_finished_without_token()
+
+    # Streams
+
+    def _handle_entries(self, entries: Iterable) -> None:
+        by_stream = {_text(stream): items for stream, items in entries or ()}
+        for entry_id, fields in by_stream.get(keys.NEW_REQUESTS_STREAM, ()):
+            self._stream_ids[keys.NEW_REQUESTS_STREAM] = _text(entry_id)
+            request_id = _text(fields.get(b"id"))
+            if not request_id:
+                log.warning("malformed_new_request entry=%s", _text(entry_id))
+                continue
+            self._pending_new.append(request_id)
+        for entry_id, fields in by_stream.get(keys.CANCEL_STREAM, ()):
+            self._stream_ids[keys.CANCEL_STREAM] = _text(entry_id)
+            request_id = _text(fields.get(b"id"))
+            if not request_id:
+                log.warning("malformed_cancel entry=%s", _text(entry_id))
+                continue
+            self._cancel(request_id)
+        for entry_id, fields in by_stream.get(keys.RESULTS_STREAM, ()):
+            self._stream_ids[keys.RESULTS_STREAM] = _text(entry_id)
+            try:
+                result = decode(PlanResult, fields.get(b"m", b""))
+            except WireError as error:
+                log.warning("malformed_result entry=%s error=%s", _text(entry_id), error)
+                continue
+            self._apply_result(result)
+
+    def _cancel(self, request_id: str) -> None:
+        state = self.policy.cancel(request_id)
+        if state is None:
+            if request_id not in self._recently_finished:
+                self._early_cancels.add(request_id)  # its new-request entry may still be unread
+            return
+        completion_tokens = len(state.output_token_ids)
+        self._xadd_event(request_id, TokenEvent(
+            index=completion_tokens, token_id=-1, text="", finish_reason="cancelled",
+            prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens))
+        self._write_end(request_id, "cancelled", completion_tokens)
+
+    def _apply_result(self, result: PlanResult) -> None:
+        for outcome in self.policy.on_result(result):
+            self._publish_token(outcome)
+        self._publish_finished_without_token()
+        records = self.policy.take_iteration_records()
+        if not records:
+            log.debug("stale_result worker_id=%s plan_id=%d", result.worker_id, result.plan_id)
+            return
+        self.iterations += len(records)
+        self.last_iteration_at = time.time()
+        for record in records:
+            self._queue("xadd", keys.ITERATIONS_STREAM, {"m": encode(record)},
+                        maxlen=ITERATIONS_STREAM_MAXLEN, approximate=True)
+
+    # Output
+
+    def _publish_token(self, outcome: TokenOutcome) -> None:
+        state = outcome.request
+        request_id = state.request_id
+        output = self._outputs[request_id]
+        finish = outcome.finish_reason
+        output.detokenizer.push(outcome.token_id)
+        if finish is not None:
+            output.detokenizer.flush()
+        text = output.detokenizer.text
+        end = len(text)
+        stop = state.sampling.stop
+        if stop:
+            found = find_stop(text, stop, output.checked)
+            output.checked = len(text)
+            if found != -1:
+                end = found
+                if finish is None:
+                    self.policy.finish(request_id, "stop")
+                finish = "stop"
+            elif finish is None:
+                end -= held_back_length(text, stop)  # might be the start of a stop string
+        piece = text[output.emitted : end] if end > output.emitted else ""
+        output.emitted = max(output.emitted, end)
+        completion_tokens = len(state.output_token_ids)
+        self._xadd_event(request_id, TokenEvent(
+            index=outcome.output_index, token_id=outcome.token_id, text=piece, finish_reason=finish,
+            prompt_tokens=len(state.prompt_token_ids) if finish else 0,
+            completion_tokens=completion_tokens if finish else 0))
+        if finish is not None:
+            self._write_end(request_id, finish, completion_tokens)
+
+    def _publish_finished_without_token(self) -> None:
+        for state in self.policy.take_finished_without_token():
+            self._final_event_without_token(state)
+
+    def _final_event_without_token(self, state: RequestState) -> None:
+        """A request that ended between tokens: release its held-back text in a token-less entry."""
+        request_id = state.request_id
+        reason = state.finish_reason or "error"
+        piece = ""
+        output = self._outputs.get(request_id)
+        if output is not None and reason != "cancelled":
+            output.detokenizer.flush()
+            text = output.detokenizer.text
+            end = len(text)
+            if state.sampling.stop and (found := find_stop(text, state.sampling.stop)) != -1:
+                end = found
+            piece = text[output.emitted : end] if end > output.emitted else ""
+        completion_tokens = len(state.output_token_ids)
+        self._xadd_event(request_id, TokenEvent(
+            index=completion_tokens, token_id=-1, text=piece, finish_reason=reason,
+            prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens))
+        self._write_end(request_id, reason, completion_tokens)
+
+    def _xadd_event(self, request_id: str, event: TokenEvent) -> None:
+        self._queue("xadd", keys.token_stream(request_id), {"m": encode(event)}, id=token_entry_id(event.index))
+
+    def _write_end(self, request_id: str, reason: FinishReason, completion_tokens: int) -> None:
+        ttl = self.settings.request_ttl_seconds
+        self._queue("hset", keys.request_key(request_id), mapping={"status": status_for(reason), "finish_reason": reason})
+        self._queue("srem", keys.ACTIVE_REQUESTS_SET, request_id)
+        self._queue("expire", keys.request_key(request_id), ttl)
+        self._queue("expire", keys.token_stream(request_id), ttl)
+        self._outputs.pop(request_id, None)
+        self._marked_running.discard(request_id)
+        self._recently_finished.add(request_id)
+        log.info("finished request_id=%s reason=%s completion_tokens=%d", request_id, reason, completion_tokens)
+
+    def _queue_heartbeat(self) -> None:
+        now = time.time()
+        info = SchedulerInfo(
+            pid=os.getpid(), policy=self.settings.policy, started_at=self.started_at, heartbeat_at=now,
+            last_iteration_at=self.last_iteration_at, iterations=self.iterations,
+            waiting=self.policy.waiting_count, running=self.policy.running_count,
+        )
+        self._queue("set", keys.SCHEDULER_HEARTBEAT, encode(info),
+                    px=int(self.settings.scheduler_timeout_seconds * 1000))
+
+    # Redis round trips
+
+    def _queue(self, command: str, *args: Any, **kwargs: Any) -> None:
+        self._writes.append((command, args, kwargs))
+
+    async def _round_trip(self, block_ms: int | None, read: bool = True) -> list:
+        """Every queued write, then one XREAD of the three input streams, in one pipeline.
+
+        Writes are dropped from the queue only once Redis has answered them, so a round trip
+        lost to a connection error is sent again by the next one.
+        """
+        writes = list(self._writes)
+        pipe = self.redis.pipeline(transaction=False)
+        for command, args, kwargs in writes:
+            getattr(pipe, command)(*args, **kwargs)
+        if read:
+            pipe.xread(dict(self._stream_ids), count=READ_COUNT, block=block_ms)
+        wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
+        replies = await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=wait_seconds)
+        del self._writes[: len(writes)]
+        for (command, args, _), reply in zip(writes, replies, strict=False):
+            if isinstance(reply, ResponseError):
+                if command == "xadd" and "equal or smaller" in str(reply):
+                    continue  # this token entry was written before: nothing to redo
+                log.error("redis_write_failed command=%s key=%s error=%s", command, args[0] if args else "", reply)
+        if not read:
+            return []
+        entries = replies[-1]
+        if isinstance(entries, Exception):
+            raise entries
+        return entries or []
+
+
+async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
+    """Run the scheduler until stop_event is set (or, without one, until SIGTERM/SIGINT)."""
+    installed: list[int] = []
+    if stop_event is None:
+        stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signal_number in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signal_number, stop_event.set)
+                installed.append(signal_number)
+    metadata = load_metadata(settings.model)
+    tokenizer = Tokenizer.load(settings.model)
+    redis = connect(settings.redis_url)
+    service = SchedulerService(settings, redis, tokenizer, metadata.config.context_length)
+    try:
+        await service.run(stop_event)
+    finally:
+        for signal_number in installed:
+            asyncio.get_running_loop().remove_signal_handler(signal_number)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(redis.aclose(), 5)

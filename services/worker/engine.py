@@ -1,0 +1,184 @@
+"""The execution engine: one iteration at a time, tensors in, tokens out.
+
+A step takes any mix of prompt chunks and decode tokens (StepItems), reserves their KV
+blocks, runs the model once on all their tokens (selective batching) and samples the next
+token of every item that reaches the end of its known tokens.
+"""
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from services.worker.attention import AttentionMode, build_batch
+from services.worker.kv_cache import KVCacheFull, PagedKVCache
+from services.worker.model import TINY_CONFIG, Llama, tiny_random_weights
+from services.worker.sampling import sample_tokens
+from services.worker.weights import load_weights
+from shared.config import Settings
+from shared.messages import ItemError, SamplingParams, StepItem
+from shared.model_file import ModelConfig, load_metadata
+
+log = logging.getLogger("iterserve.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepOutcome:
+    tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    errors: list[ItemError] = field(default_factory=list)  # items that did not run
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # when asked: [V] float32
+    seconds: float = 0.0
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class Engine:
+    def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched"):
+        self.model, self.kv_cache, self.attention = model, kv_cache, attention
+        self.config: ModelConfig = model.config
+        self._sampling: dict[str, SamplingParams] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Engine":
+        started = time.perf_counter()
+        metadata = load_metadata(settings.model)
+        device = pick_device(settings.device)
+        dtype = pick_dtype(settings.dtype, device)
+        model = Llama(metadata.config, load_weights(metadata), device, dtype)
+        engine = cls(model, cls._kv_cache_for(metadata.config, settings, device, dtype), settings.attention)
+        log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d seconds=%.2f",
+                 metadata.name, device, dtype, settings.kv_blocks, time.perf_counter() - started)
+        return engine
+
+    @classmethod
+    def tiny(cls, kv_blocks: int = 64, kv_block_size: int = 4, attention: AttentionMode = "batched", seed: int = 0,
+             config: ModelConfig = TINY_CONFIG) -> "Engine":
+        """A seeded random model for fast unit tests."""
+        device = torch.device("cpu")
+        model = Llama(config, tiny_random_weights(config, seed), device, torch.float32)
+        settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size)
+        return cls(model, cls._kv_cache_for(config, settings, device, torch.float32), attention)
+
+    @staticmethod
+    def _kv_cache_for(config: ModelConfig, settings: Settings, device: torch.device, dtype: torch.dtype) -> PagedKVCache:
+        return PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, settings.kv_blocks,
+                            settings.kv_block_size, device, dtype)
+
+    # Requests
+
+    def add_request(self, request_id: str, sampling: SamplingParams) -> None:
+        self._sampling[request_id] = sampling
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._sampling
+
+    def free(self, request_id: str) -> None:
+        """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
+        self._sampling.pop(request_id, None)
+        self.kv_cache.free(request_id)
+
+    def reset(self) -> None:
+        self._sampling.clear()
+        self.kv_cache.free_all()
+
+    @property
+    def running(self) -> int:
+        return len(self._sampling)
+
+    # One iteration
+
+    def _check(self, item: StepItem) -> ItemError | None:
+        def error(code, message):
+            return ItemError(request_id=item.request_id, code=code, message=message)
+
+        if item.request_id not in self._sampling:
+            return error("unknown_request", "no sampling parameters were sent for this request")
+        if not item.token_ids:
+            return error("bad_item", "no tokens to feed")
+        if item.start_position + len(item.token_ids) > self.config.context_length:
+            return error("bad_item", f"exceeds the context length {self.config.context_length}")
+        if min(item.token_ids) < 0 or max(item.token_ids) >= self.config.vocab_size:
+            return error("bad_item", "token id outside the vocabulary")
+        held = self.kv_cache.length(item.request_id)
+        if item.start_position == 0 and held:
+            self.kv_cache.free(item.request_id)  # a rebuild from the first token
+        elif item.start_position != held:
+            return error("bad_item", f"start_position {item.start_position} but {held} tokens are in the KV cache")
+        return None
+
+    def step(self, items: Sequence[StepItem], return_logits: bool = False) -> StepOutcome:
+        started = time.perf_counter()
+        outcome = StepOutcome()
+        runnable: list[StepItem] = []
+        for item in items:
+            if (problem := self._check(item)) is not None:
+                outcome.errors.append(problem)
+                continue
+            try:
+                self.kv_cache.grow(item.request_id, item.start_position + len(item.token_ids))
+            except KVCacheFull as full:
+                outcome.errors.append(ItemError(request_id=item.request_id, code="kv_cache_full", message=str(full)))
+                continue
+            runnable.append(item)
+        if runnable:
+            self._run(runnable, outcome, return_logits)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    def _run(self, items: list[StepItem], outcome: StepOutcome, return_logits: bool) -> None:
+        device = self.model.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        requests: list[tuple[int, int, int, list[int]]] = []
+        logit_rows: list[int] = []
+        sampled: list[StepItem] = []
+        for item in items:
+            start, count = item.start_position, len(item.token_ids)
+            context_slots = self.kv_cache.slots(item.request_id, 0, start + count)
+            requests.append((len(token_ids), count, start, context_slots))
+            token_ids.extend(item.token_ids)
+            positions.extend(range(start, start + count))
+            slot_mapping.extend(context_slots[start:])
+            if item.sample:
+                logit_rows.append(len(token_ids) - 1)
+                sampled.append(item)
+        group = self.config.n_heads // self.config.n_kv_heads
+        kv_width = self.config.n_kv_heads * self.config.head_dim
+        batch = build_batch(self.attention, requests, slot_mapping, group, kv_width, device, self.model.dtype)
+        logits = self.model.forward(
+            torch.tensor(token_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            batch, self.kv_cache,
+            torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
+        for item in items:
+            self.kv_cache.set_length(item.request_id, item.start_position + len(item.token_ids))
+        if not sampled:
+            return
+        params = [self._sampling[item.request_id] for item in sampled]
+        tokens = sample_tokens(logits, params, [item.output_index for item in sampled])
+        for row, (item, token) in enumerate(zip(sampled, tokens)):
+            outcome.tokens[item.request_id] = token
+            if return_logits:
+                outcome.logits[item.request_id] = logits[row].cpu()
+
+
+def default_threads(workers: int) -> int:
+    """Each worker's share of the machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))

@@ -1,0 +1,132 @@
+"""Llama in plain torch, with Orca's selective batching.
+
+Every op but attention runs once on the step's tokens flattened to [T, H] (T = sum of the
+requests' token counts, prefill chunks and decode tokens mixed); attention is handed to
+services/worker/attention.py, which splits it per request against each one's paged KV.
+Shapes: T tokens, H hidden, Hq query heads, Hkv KV heads, D head dim, V vocabulary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import AttentionBatch, attend
+from services.worker.kv_cache import PagedKVCache
+from shared.model_file import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]: Q, K, V projections fused into one matmul
+    out: torch.Tensor  # [H, Hq D]
+    ffn_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 F, H]: SwiGLU gate and up fused
+    down: torch.Tensor  # [H, F]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Llama:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, device, dtype
+
+        def tensor(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embedding = tensor("token_embd.weight")  # [V, H]
+        self.lm_head = tensor("output.weight") if "output.weight" in weights else self.embedding  # tied
+        self.final_norm = tensor("output_norm.weight")
+        self.layers = [
+            LayerWeights(
+                attn_norm=tensor(f"blk.{i}.attn_norm.weight"),
+                qkv=torch.cat([tensor(f"blk.{i}.attn_{part}.weight") for part in "qkv"]).contiguous(),
+                out=tensor(f"blk.{i}.attn_output.weight"),
+                ffn_norm=tensor(f"blk.{i}.ffn_norm.weight"),
+                gate_up=torch.cat([tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")]).contiguous(),
+                down=tensor(f"blk.{i}.ffn_down.weight"),
+            )
+            for i in range(config.n_layers)
+        ]
+        inverse_frequencies = 1.0 / (
+            config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
+        )
+        angles = torch.outer(torch.arange(config.context_length, dtype=torch.float64), inverse_frequencies)
+        angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
+        self.rope_cos = angles.cos().to(device=device, dtype=dtype)  # [context, D]
+        self.rope_sin = angles.sin().to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        batch: AttentionBatch,
+        kv_cache: PagedKVCache,
+        logit_rows: torch.Tensor,  # [B]: the rows whose next token is wanted
+    ) -> torch.Tensor:  # [B, V] float32
+        config = self.config
+        q_size = config.n_heads * config.head_dim
+        kv_size = config.n_kv_heads * config.head_dim
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = self.embedding.index_select(0, token_ids)  # [T, H]
+        for layer_index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
+            q, k, v = (h @ layer.qkv.T).split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, config.n_heads, config.head_dim)
+            k = k.view(-1, config.n_kv_heads, config.head_dim)
+            v = v.view(-1, config.n_kv_heads, config.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            kv_cache.write(layer_index, batch.slot_mapping, k, v)
+            attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch)  # [T, Hq D]
+            x = x + attended @ layer.out.T
+            h = rms_norm(x, layer.ffn_norm, config.rms_norm_eps)
+            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.down.T
+        last = rms_norm(x[logit_rows], self.final_norm, config.rms_norm_eps)
+        return (last @ self.lm_head.T).float()
+
+
+TINY_CONFIG = ModelConfig(
+    n_layers=2, hidden_size=64, ffn_size=128, n_heads=4, n_kv_heads=2, head_dim=16,
+    rope_theta=10000.0, rms_norm_eps=1e-5, vocab_size=256, context_length=512,
+)
+
+
+def tiny_random_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights in the GGUF's names: a fast model for unit tests."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.2
+
+    q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    weights = {
+        "token_embd.weight": randn(config.vocab_size, config.hidden_size),
+        "output_norm.weight": 1 + randn(config.hidden_size) * 0.1,
+    }
+    for i in range(config.n_layers):
+        weights |= {
+            f"blk.{i}.attn_norm.weight": 1 + randn(config.hidden_size) * 0.1,
+            f"blk.{i}.attn_q.weight": randn(q_rows, config.hidden_size),
+            f"blk.{i}.attn_k.weight": randn(kv_rows, config.hidden_size),
+            f"blk.{i}.attn_v.weight": randn(kv_rows, config.hidden_size),
+            f"blk.{i}.attn_output.weight": randn(config.hidden_size, q_rows),
+            f"blk.{i}.ffn_norm.weight": 1 + randn(config.hidden_size) * 0.1,
+            f"blk.{i}.ffn_gate.weight": randn(config.ffn_size, config.hidden_size),
+            f"blk.{i}.ffn_up.weight": randn(config.ffn_size, config.hidden_size),
+            f"blk.{i}.ffn_down.weight": randn(config.hidden_size, config.ffn_size),
+        }
+    return weights

@@ -1,0 +1,632 @@
+"""The gateway against a real private Redis and the real tokenizer.
+
+The only double is FakeScheduler, standing in for the scheduler process: it reads the
+protocol's streams and writes TokenEvents exactly as docs/protocol.md says the scheduler does.
+"""
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from services.gateway.app import create_app
+from shared import keys
+from shared.config import Settings
+from shared.messages import RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
+from shared.model_file import load_metadata
+from shared.tokenizer import Tokenizer
+from shared.wire import decode, encode
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "smollm2-135m-instruct"
+MAX_BODY_BYTES = 64 * 1024
+WAIT_SECONDS = 5.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load()
+
+
+class FakeScheduler:
+    """Test double of the scheduler: answers request i's output token k with the text " w{k}".
+
+    hold: emit nothing until release() (cancellations still end a held request).
+    """
+
+    def __init__(self, redis, delay: float = 0.0, hold: bool = False) -> None:
+        self.redis = redis
+        self.delay = delay
+        self.released = asyncio.Event()
+        if not hold:
+            self.released.set()
+        self.cancelled: set[str] = set()
+        self.tasks: list[asyncio.Task] = []
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def run(self) -> None:
+        last_ids = {keys.NEW_REQUESTS_STREAM: "0-0", keys.CANCEL_STREAM: "0-0"}
+        while True:
+            reply = await self.redis.xread(last_ids, block=50)
+            for stream, entries in reply or []:
+                stream = stream.decode()
+                for entry_id, fields in entries:
+                    last_ids[stream] = entry_id
+                    request_id = fields[b"id"].decode()
+                    if stream == keys.CANCEL_STREAM:
+                        self.cancelled.add(request_id)
+                    else:
+                        self.tasks.append(asyncio.create_task(self.serve(request_id)))
+
+    async def serve(self, request_id: str) -> None:
+        record = decode(RequestRecord, await self.redis.hget(keys.request_key(request_id), "record"))
+        await self.redis.hset(keys.request_key(request_id), "status", "running")
+        while not self.released.is_set() and request_id not in self.cancelled:
+            await asyncio.sleep(0.01)
+        prompt_tokens, text = len(record.prompt_token_ids), ""
+        for index in range(record.sampling.max_tokens):
+            if request_id in self.cancelled:
+                return await self.end(request_id, index, "cancelled", prompt_tokens)
+            piece = f" w{index}"
+            if any(stop in text + piece for stop in record.sampling.stop):
+                return await self.end(request_id, index, "stop", prompt_tokens)
+            text += piece
+            last = index == record.sampling.max_tokens - 1
+            event = TokenEvent(
+                index=index, token_id=100 + index, text=piece, finish_reason="length" if last else None,
+                prompt_tokens=prompt_tokens if last else 0, completion_tokens=index + 1 if last else 0,
+            )  # fmt: skip
+            await self.redis.xadd(keys.token_stream(request_id), {"m": encode(event)})
+            if last:
+                return await self.close(request_id, "finished", "length")
+            await asyncio.sleep(self.delay)
+
+    async def end(self, request_id: str, index: int, reason: str, prompt_tokens: int) -> None:
+        event = TokenEvent(
+            index=index, token_id=-1, text="", finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=index
+        )
+        await self.redis.xadd(keys.token_stream(request_id), {"m": encode(event)})
+        await self.close(request_id, "cancelled" if reason == "cancelled" else "finished", reason)
+
+    async def close(self, request_id: str, status: str, reason: str) -> None:
+        await self.redis.hset(keys.request_key(request_id), mapping={"status": status, "finish_reason": reason})
+        await self.redis.srem(keys.ACTIVE_REQUESTS_SET, request_id)
+
+
+@asynccontextmanager
+async def running(scheduler: FakeScheduler):
+    task = asyncio.create_task(scheduler.run())
+    try:
+        yield scheduler
+    finally:
+        for each in [task, *scheduler.tasks]:
+            each.cancel()
+        await asyncio.gather(task, *scheduler.tasks, return_exceptions=True)
+
+
+def gateway_settings(redis_url: str, **overrides) -> Settings:
+    return Settings(redis_url=redis_url, port=0, max_body_bytes=MAX_BODY_BYTES, **overrides)
+
+
+@asynccontextmanager
+async def serve_gateway(settings: Settings, tokenizer: Tokenizer):
+    async with TestClient(TestServer(create_app(settings, tokenizer))) as client:
+        yield client
+
+
+@pytest.fixture
+async def gateway(redis_url, redis_client, tokenizer):
+    async with serve_gateway(gateway_settings(redis_url), tokenizer) as client:
+        yield client
+
+
+@pytest.fixture
+async def scheduler(redis_client):
+    async with running(FakeScheduler(redis_client)) as fake:
+        yield fake
+
+
+@pytest.fixture
+async def held_scheduler(redis_client):
+    async with running(FakeScheduler(redis_client, hold=True)) as fake:
+        yield fake
+
+
+async def wait_until(condition, what: str, timeout: float = WAIT_SECONDS):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await condition()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def read_sse(response: aiohttp.ClientResponse, timeout: float = WAIT_SECONDS) -> list[str]:
+    """Every `data:` payload of an SSE response, in order, up to the end of the body."""
+    payloads = []
+    async with asyncio.timeout(timeout):
+        async for line in response.content:
+            line = line.decode().rstrip("\n")
+            if line.startswith("data: "):
+                payloads.append(line.removeprefix("data: "))
+    return payloads
+
+
+async def cancel_entries(redis_client) -> list[str]:
+    return [fields[b"id"].decode() for _, fields in await redis_client.xrange(keys.CANCEL_STREAM)]
+
+
+async def post_json(client, path: str, body: dict) -> tuple[int, dict]:
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await client.post(path, json=body)
+        return response.status, await response.json()
+
+
+def assert_openai_error(body: dict, param: str | None) -> None:
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    assert body["error"]["param"] == param, f"param {body['error']['param']!r}, expected {param!r}: {body}"
+
+
+GOOD_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+BAD_REQUESTS = [
+    # (name, method, path, body: dict or raw bytes, status, param)
+    ("malformed json", "POST", COMPLETIONS, b'{"prompt": ', 400, None),
+    ("body not an object", "POST", COMPLETIONS, b"[1, 2]", 400, None),
+    ("NaN is not JSON", "POST", COMPLETIONS, b'{"prompt": "a", "temperature": NaN}', 400, None),
+    ("prompt missing", "POST", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
+    ("prompt wrong type", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": 5}, 400, "prompt"),
+    ("batch of prompts", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("token id out of vocab", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("empty prompt", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": ""}, 400, "prompt"),
+    ("temperature string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "temperature": "hot"}, 400, "temperature"),
+    ("temperature too high", "POST", COMPLETIONS, {**GOOD_COMPLETION, "temperature": 2.5}, 400, "temperature"),
+    ("temperature negative", "POST", COMPLETIONS, {**GOOD_COMPLETION, "temperature": -0.1}, 400, "temperature"),
+    ("top_p zero", "POST", COMPLETIONS, {**GOOD_COMPLETION, "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "POST", COMPLETIONS, {**GOOD_COMPLETION, "top_p": 1.5}, 400, "top_p"),
+    ("top_k below -1", "POST", COMPLETIONS, {**GOOD_COMPLETION, "top_k": -2}, 400, "top_k"),
+    ("max_tokens zero", "POST", COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": True}, 400, "max_tokens"),
+    ("max_tokens past context", "POST", COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 9000}, 400, "max_tokens"),
+    ("stream not bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "stream": "yes"}, 400, "stream"),
+    ("include_usage not bool", "POST", COMPLETIONS,
+     {**GOOD_COMPLETION, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
+    ("five stop strings", "POST", COMPLETIONS, {**GOOD_COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty stop string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
+    ("seed string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "seed": "1"}, 400, "seed"),
+    ("n=2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    ("presence_penalty", "POST", COMPLETIONS, {**GOOD_COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("echo", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": True}, 400, "echo"),
+    ("unknown model", "POST", COMPLETIONS, {**GOOD_COMPLETION, "model": "gpt-4"}, 404, "model"),
+    ("prompt too long", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "hello " * 9000}, 400, "prompt"),
+    ("body too large", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "x" * MAX_BODY_BYTES}, 413, None),
+    ("messages missing", "POST", CHAT, {"model": MODEL}, 400, "messages"),
+    ("messages empty", "POST", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    ("unknown role", "POST", CHAT, {**GOOD_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("content number", "POST", CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("image part", "POST", CHAT,
+     {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content"),
+    ("chat n=2", "POST", CHAT, {**GOOD_CHAT, "n": 2}, 400, "n"),
+    ("chat logprobs", "POST", CHAT, {**GOOD_CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat unknown model", "POST", CHAT, {**GOOD_CHAT, "model": "llama"}, 404, "model"),
+    ("unknown route", "POST", "/v1/nothing", {}, 404, None),
+    ("wrong method", "GET", COMPLETIONS, None, 405, None),
+    ("cancel unknown request", "DELETE", "/v1/requests/cmpl-0123", None, 404, "id"),
+    ("status of unknown request", "GET", "/v1/requests/cmpl-0123", None, 404, "id"),
+    ("re-attach unknown request", "GET", "/v1/requests/cmpl-0123/stream", None, 404, "id"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+async def test_bad_input_gets_openai_error_then_a_good_request_succeeds(
+    gateway, scheduler, method, path, body, status, param
+):
+    kwargs = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {}
+    if isinstance(body, dict):
+        kwargs = {"json": body}
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.request(method, path, **kwargs)
+        assert response.status == status, f"{method} {path}: status {response.status}, body {await response.text()}"
+        assert response.content_type == "application/json"
+        assert_openai_error(await response.json(), param)
+    if status == 400 and path == COMPLETIONS:
+        assert "n" != param or "not supported" in (await response.json())["error"]["message"]
+    good_status, good = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
+    assert good_status == 200, f"a good request after the bad one failed: {good}"
+    assert good["choices"][0]["text"] == " w0 w1 w2"
+
+
+async def test_n2_error_says_what_is_unsupported(gateway):
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "n": 2})
+    assert status == 400
+    assert "n=2" in body["error"]["message"] and "n=1" in body["error"]["message"], body
+
+
+async def test_prompt_too_long_is_refused_with_context_length_code(gateway, scheduler):
+    context = load_metadata(MODEL).config.context_length
+    prompt = [1] * context
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "prompt": prompt, "max_tokens": 1})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert body["error"]["param"] == "prompt"
+    # One token short of the context with one output token fits exactly.
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "prompt": prompt[:-1], "max_tokens": 1})
+    assert status == 200 and body["choices"][0]["text"] == " w0", body
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"unknown_field": {"nested": 1}},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None, "echo": False, "n": 1},
+        {"prompt": ["a single prompt in a list"]},
+        {"prompt": [19556, 905]},
+        {"top_k": -1, "top_p": 1, "temperature": 0},
+        {"max_completion_tokens": 3, "max_tokens": None},
+        {"stop": "never", "seed": -5, "user": "someone", "ignore_eos": True},
+    ],
+    ids=["unknown field", "defaults of unsupported", "list of one prompt", "token ids", "off values", "new name", "misc"],
+)
+async def test_accepted_variants(gateway, scheduler, extra):
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, **extra})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == " w0 w1 w2"
+
+
+async def test_accepted_request_is_in_redis_before_the_answer(gateway, held_scheduler, redis_client, tokenizer):
+    body = {**GOOD_COMPLETION, "prompt": "The capital of France", "stream": True, "temperature": 0.7, "top_p": 0.9,
+            "top_k": 40, "seed": 1234, "stop": ["\n", "END"], "max_tokens": 5, "ignore_eos": True}  # fmt: skip
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json=body)
+        assert response.status == 200 and response.content_type == "text/event-stream"
+        # Headers are out, no token yet (the scheduler holds): Redis must already hold everything.
+        [new_entry] = await redis_client.xrange(keys.NEW_REQUESTS_STREAM)
+        request_id = new_entry[1][b"id"].decode()
+        assert request_id.startswith("cmpl-") and len(request_id) == len("cmpl-") + 32
+        assert await redis_client.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
+        record = decode(RequestRecord, await redis_client.hget(keys.request_key(request_id), "record"))
+        assert record.request_id == request_id
+        assert list(record.prompt_token_ids) == tokenizer.encode("The capital of France")
+        sampling = record.sampling
+        assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (0.7, 0.9, 40, 1234)
+        assert sampling.stop == ("\n", "END") and sampling.max_tokens == 5 and sampling.ignore_eos
+        assert abs(record.arrival_time - time.time()) < 10
+        held_scheduler.release()
+        payloads = await read_sse(response)
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[0])["id"] == request_id
+
+
+async def accepted_record(client, redis_client, path: str, body: dict) -> RequestRecord:
+    """Send a streaming request, read its first chunk's id, and return the record in Redis."""
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await client.post(path, json={**body, "stream": True})
+        assert response.status == 200, await response.text()
+        if path == CHAT:
+            request_id = json.loads((await response.content.readline()).removeprefix(b"data: "))["id"]
+        else:
+            request_id = (await redis_client.xrange(keys.NEW_REQUESTS_STREAM))[-1][1][b"id"].decode()
+        response.close()
+    return decode(RequestRecord, await redis_client.hget(keys.request_key(request_id), "record"))
+
+
+async def test_every_request_is_seeded_and_chat_defaults_to_the_remaining_context(
+    gateway, held_scheduler, redis_client, tokenizer
+):
+    chat = await accepted_record(gateway, redis_client, CHAT, {"messages": GOOD_CHAT["messages"], "max_tokens": None})
+    prompt = tokenizer.encode_chat(GOOD_CHAT["messages"])
+    assert list(chat.prompt_token_ids) == prompt
+    assert chat.sampling.max_tokens == load_metadata(MODEL).config.context_length - len(prompt)
+    assert chat.sampling.temperature == 1.0, "OpenAI's default temperature"
+    completion = await accepted_record(gateway, redis_client, COMPLETIONS, {"prompt": "x"})  # no model: the served one
+    assert completion.sampling.max_tokens == 16, "completions default to 16 output tokens"
+    assert chat.sampling.seed != completion.sampling.seed, "each request without a seed draws its own"
+
+
+async def test_non_stream_completion_with_the_openai_client(gateway, scheduler):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="x", max_retries=0, timeout=WAIT_SECONDS)
+    completion = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+    assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
+    assert completion.model == MODEL and abs(completion.created - time.time()) < 10
+    [choice] = completion.choices
+    assert (choice.index, choice.text, choice.finish_reason) == (0, " w0 w1 w2 w3", "length")
+    assert choice.logprobs is None
+    assert completion.usage.completion_tokens == 4 and completion.usage.prompt_tokens > 0
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 4
+
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == " w0 w1"
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 2
+    await client.close()
+
+
+async def test_stream_chat_with_the_openai_client_and_usage(gateway, scheduler):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="x", max_retries=0, timeout=WAIT_SECONDS)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == " w0 w1 w2"
+    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    await client.close()
+
+
+async def test_stream_completion_sse_format(gateway, scheduler):
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "stream": True})
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        raw = await response.read()
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", raw
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert [chunk["choices"][0]["text"] for chunk in chunks] == [" w0", " w1", " w2"]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, "length"]
+    assert all(chunk["object"] == "text_completion" and "usage" not in chunk for chunk in chunks)
+
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(
+            COMPLETIONS, json={**GOOD_COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        payloads = await read_sse(response)
+    assert payloads[-1] == "[DONE]"
+    usage_chunk = json.loads(payloads[-2])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 3
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 3
+
+
+async def test_stop_list_reaches_the_scheduler_and_ends_with_stop(gateway, scheduler, redis_client):
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 10, "stop": ["w4", "w7"]})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == " w0 w1 w2 w3" and body["choices"][0]["finish_reason"] == "stop"
+    record = decode(RequestRecord, await redis_client.hget(keys.request_key(body["id"]), "record"))
+    assert record.sampling.stop == ("w4", "w7")
+
+
+async def test_delete_a_running_request_then_again_then_a_finished_one(gateway, held_scheduler, redis_client):
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "stream": True})
+        request_id = (await redis_client.xrange(keys.NEW_REQUESTS_STREAM))[0][1][b"id"].decode()
+        first = await gateway.delete(f"/v1/requests/{request_id}")
+        assert first.status == 200
+        body = await first.json()
+        assert body["id"] == request_id and body["object"] == "request.cancel" and body["cancelled"] is True
+        assert body["status"] in ("waiting", "running")
+        payloads = await read_sse(response)
+    assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "cancelled"
+    assert payloads[-1] == "[DONE]"
+    async with asyncio.timeout(WAIT_SECONDS):
+        second = await (await gateway.delete(f"/v1/requests/{request_id}")).json()
+    assert second["cancelled"] is False and second["status"] == "cancelled"
+    assert await cancel_entries(redis_client) == [request_id], "a second cancel of an ended request sends nothing"
+
+    held_scheduler.release()
+    status, done = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
+    assert status == 200
+    async with asyncio.timeout(WAIT_SECONDS):
+        finished = await (await gateway.delete(f"/v1/requests/{done['id']}")).json()
+        state = await (await gateway.get(f"/v1/requests/{done['id']}")).json()
+    assert finished == {"id": done["id"], "object": "request.cancel", "status": "finished", "cancelled": False}
+    assert state["status"] == "finished" and state["finish_reason"] == "length" and state["token_events"] == 3
+
+
+async def test_client_disconnect_mid_stream_cancels_the_request(gateway, held_scheduler, redis_client):
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(CHAT, json={**GOOD_CHAT, "stream": True})
+        first_line = await response.content.readline()
+        assert first_line.startswith(b"data: ") and b'"role": "assistant"' in first_line
+        request_id = json.loads(first_line.removeprefix(b"data: "))["id"]
+        response.close()  # the client goes away mid-stream
+    await wait_until(lambda: _has_cancel(redis_client, request_id), "a CANCEL_STREAM entry")
+    await wait_until(
+        lambda: _status_is(redis_client, request_id, b"cancelled"), "the fake scheduler to end the request"
+    )
+
+
+async def test_client_disconnect_while_waiting_for_a_whole_answer_cancels(gateway, held_scheduler, redis_client):
+    waiting = asyncio.create_task(gateway.post(COMPLETIONS, json=GOOD_COMPLETION))
+    request_id = (
+        await wait_until(lambda: redis_client.smembers(keys.ACTIVE_REQUESTS_SET), "the request to be accepted")
+    ).pop().decode()
+    waiting.cancel()  # the client gives up: its connection closes
+    await asyncio.gather(waiting, return_exceptions=True)
+    await wait_until(lambda: _has_cancel(redis_client, request_id), "a CANCEL_STREAM entry")
+
+
+async def test_a_finished_request_is_not_cancelled(gateway, scheduler, redis_client):
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "stream": True})
+        payloads = await read_sse(response)
+        response.close()
+    assert payloads[-1] == "[DONE]"
+    status, _ = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
+    assert status == 200
+    await asyncio.sleep(0.2)
+    assert await cancel_entries(redis_client) == []
+
+
+async def _has_cancel(redis_client, request_id: str) -> bool:
+    return request_id in await cancel_entries(redis_client)
+
+
+async def _status_is(redis_client, request_id: str, status: bytes) -> bool:
+    return await redis_client.hget(keys.request_key(request_id), "status") == status
+
+
+async def test_reattach_replays_from_an_index_then_follows_live(gateway, held_scheduler, redis_client):
+    held_scheduler.release()
+    status, done = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 6})
+    assert status == 200
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.get(f"/v1/requests/{done['id']}/stream", params={"from": "3", "include_usage": "true"})
+        assert response.status == 200
+        payloads = await read_sse(response)
+    chunks = [json.loads(payload) for payload in payloads[:-1]]
+    assert [chunk["choices"][0]["text"] for chunk in chunks[:-1]] == [" w3", " w4", " w5"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and payloads[-1] == "[DONE]"
+    assert all(chunk["id"] == done["id"] and chunk["object"] == "text_completion" for chunk in chunks)
+
+    # Live: attach to a chat request that has produced nothing yet, then let it run.
+    held_scheduler.released.clear()
+    async with asyncio.timeout(WAIT_SECONDS):
+        original = await gateway.post(CHAT, json={**GOOD_CHAT, "stream": True})
+        request_id = json.loads((await original.content.readline()).removeprefix(b"data: "))["id"]
+        attached = await gateway.get(f"/v1/requests/{request_id}/stream")
+        held_scheduler.release()
+        payloads = await read_sse(attached)
+        await read_sse(original)
+    chunks = [json.loads(payload) for payload in payloads[:-1]]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks) == " w0 w1 w2"
+    assert await cancel_entries(redis_client) == []
+
+
+def scheduler_info(**overrides) -> SchedulerInfo:
+    now = time.time()
+    values = dict(pid=1, policy="iteration", started_at=now - 5, heartbeat_at=now, last_iteration_at=now,
+                  iterations=7, waiting=2, running=3)  # fmt: skip
+    return SchedulerInfo(**{**values, **overrides})
+
+
+def worker_info(worker_id: str) -> WorkerInfo:
+    now = time.time()
+    return WorkerInfo(worker_id=worker_id, pid=42, host="localhost", device="cpu", kv_block_size=16,
+                      kv_blocks_total=100, kv_blocks_free=60, running=3, started_at=now, heartbeat_at=now)  # fmt: skip
+
+
+async def get_json(client, path: str) -> tuple[int, dict]:
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await client.get(path)
+        return response.status, await response.json()
+
+
+async def test_health_needs_scheduler_and_a_live_worker_and_progress(gateway, redis_client):
+    status, body = await get_json(gateway, "/health")
+    assert status == 503 and body == {"status": "unavailable", "missing": ["scheduler", "workers"]}
+
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(scheduler_info()), px=5000)
+    await redis_client.sadd(keys.WORKERS_SET, "w-dead")  # registered, but its heartbeat key expired
+    status, body = await get_json(gateway, "/health")
+    assert status == 503 and body["missing"] == ["workers"]
+
+    await redis_client.set(keys.worker_heartbeat("w1"), encode(worker_info("w1")), px=5000)
+    await redis_client.sadd(keys.WORKERS_SET, "w1")
+    status, body = await get_json(gateway, "/health")
+    assert status == 200 and body["status"] == "ok" and body["workers"] == 1, body
+
+    stalled = scheduler_info(last_iteration_at=time.time() - 120)  # requests wait, nothing ran for 2 min
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(stalled), px=5000)
+    status, body = await get_json(gateway, "/health")
+    assert status == 503 and body["missing"] == ["progress"] and "waiting" in body["reason"]
+
+    never_ran = scheduler_info(last_iteration_at=0.0, started_at=time.time() - 120)
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(never_ran), px=5000)
+    assert (await get_json(gateway, "/health"))[0] == 503
+    idle = scheduler_info(last_iteration_at=time.time() - 120, waiting=0)  # idle is not stalled
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(idle), px=5000)
+    assert (await get_json(gateway, "/health"))[0] == 200
+
+
+async def test_status_and_metrics(gateway, scheduler, redis_client):
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(scheduler_info()), px=5000)
+    await redis_client.set(keys.worker_heartbeat("w1"), encode(worker_info("w1")), px=5000)
+    await redis_client.sadd(keys.WORKERS_SET, "w1", "w-dead")
+    status, body = await get_json(gateway, "/status")
+    assert status == 200
+    assert body["waiting"] == 2 and body["running"] == 3 and body["scheduler"]["iterations"] == 7
+    [worker] = body["workers"]
+    assert {key: worker[key] for key in ("id", "pid", "device", "kv_blocks_total", "kv_blocks_free", "running",
+                                         "draining")} == {  # fmt: skip
+        "id": "w1", "pid": 42, "device": "cpu", "kv_blocks_total": 100, "kv_blocks_free": 60, "running": 3,
+        "draining": False,
+    }  # fmt: skip
+
+    assert (await post_json(gateway, COMPLETIONS, GOOD_COMPLETION))[0] == 200
+    assert (await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "temperature": 9}))[0] == 400
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.get("/metrics")
+        assert response.status == 200 and response.content_type == "text/plain"
+        text = await response.text()
+    expected = [
+        'iterserve_gateway_requests_total{endpoint="completions",outcome="length"} 1.0',
+        'iterserve_gateway_requests_total{endpoint="completions",outcome="400"} 1.0',
+        "iterserve_gateway_time_to_first_token_seconds_count 1.0",
+        "iterserve_gateway_time_per_output_token_seconds_count 1.0",
+        "iterserve_gateway_e2e_request_latency_seconds_count 1.0",
+        "iterserve_scheduler_waiting_requests 2.0",
+        "iterserve_scheduler_running_requests 3.0",
+        "iterserve_live_workers 1.0",
+    ]
+    missing = [line for line in expected if line not in text]
+    assert not missing, f"/metrics lacks {missing}:\n{text}"
+
+
+async def test_models_list(gateway):
+    status, body = await get_json(gateway, "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert [model["id"] for model in body["data"]] == [MODEL] and body["data"][0]["object"] == "model"
+
+
+async def test_redis_down_answers_503_then_recovers_after_restart(tokenizer):
+    from tests.redis_server import RedisProcess
+
+    server = RedisProcess().start()
+    try:
+        async with serve_gateway(gateway_settings(server.url), tokenizer) as client:
+            server.stop()
+            started = time.monotonic()
+            status, body = await post_json(client, COMPLETIONS, GOOD_COMPLETION)
+            assert status == 503 and body["error"]["code"] == "service_unavailable", body
+            status, body = await get_json(client, "/health")
+            assert status == 503 and body["missing"] == ["redis"]
+            assert time.monotonic() - started < 15, "a Redis outage must not hang the client"
+
+            server.start()  # same port, same data directory
+            from shared.redis_connection import connect
+
+            redis = connect(server.url)
+            try:
+                async with running(FakeScheduler(redis)):
+                    status, body = await post_json(client, COMPLETIONS, GOOD_COMPLETION)
+                    assert status == 200, body
+            finally:
+                await redis.aclose()
+    finally:
+        server.stop()

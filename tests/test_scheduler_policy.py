@@ -1,0 +1,442 @@
+"""SchedulerPolicy: iteration-level scheduling bookkeeping, without Redis (services/scheduler/policy.py)."""
+
+from collections import defaultdict
+
+import pytest
+
+from services.scheduler.policy import SchedulerPolicy, TokenOutcome
+from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
+
+EPOCH = "epoch-test"
+STOP_TOKENS = {0, 2}
+
+
+def record(request_id: str, prompt_len: int = 4, arrival: float = 0.0, *, max_tokens: int = 16,
+           ignore_eos: bool = False, first_token: int = 100) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id,
+        prompt_token_ids=tuple(range(first_token, first_token + prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        arrival_time=arrival,
+    )
+
+
+def token_for(request_id: str, output_index: int) -> int:
+    """What the fake model samples: a function of the request and the position only (seeded sampling)."""
+    return 17 + (sum(map(ord, request_id)) * 7 + output_index) % 90
+
+
+def make_policy(**options) -> SchedulerPolicy:
+    options.setdefault("context_length", 8192)
+    options.setdefault("stop_token_ids", STOP_TOKENS)
+    return SchedulerPolicy(EPOCH, **options)
+
+
+def answer(plan: BatchPlan, token=token_for, errors: tuple[ItemError, ...] = ()) -> PlanResult:
+    failed = {error.request_id for error in errors}
+    return PlanResult(
+        scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=plan.worker_id,
+        tokens=tuple(SampledToken(request_id=item.request_id, token_id=token(item.request_id, item.output_index),
+                                  output_index=item.output_index)
+                     for item in plan.items if item.sample and item.request_id not in failed),
+        errors=errors, kv_blocks_total=0, kv_blocks_free=0, step_seconds=0.001,
+    )
+
+
+class FakeWorker:
+    """Mirrors what a worker holds, and checks every plan against it: a plan that feeds the wrong
+    tokens, at the wrong position, or for a request it never got, fails the test."""
+
+    def __init__(self, prompts: dict[str, tuple[int, ...]], token=token_for) -> None:
+        self.prompts = prompts
+        self.token = token
+        self.kv: dict[str, list[int]] = {}
+        self.known: set[str] = set()
+
+    def run(self, plan: BatchPlan) -> PlanResult:
+        for request_id in plan.free_request_ids:
+            self.kv.pop(request_id, None)
+            self.known.discard(request_id)
+        self.known.update(new.request_id for new in plan.new_requests)
+        for item in plan.items:
+            assert item.request_id in self.known, f"{item.request_id} stepped before its NewRequest was sent"
+            held = self.kv.setdefault(item.request_id, [])
+            if item.start_position == 0:
+                held.clear()
+            assert item.start_position == len(held), f"{item.request_id}: start {item.start_position}, KV {len(held)}"
+            held.extend(item.token_ids)
+            expected = list(self.prompts[item.request_id]) + [
+                self.token(item.request_id, index) for index in range(len(held) - len(self.prompts[item.request_id]))]
+            assert held == expected[: len(held)], f"{item.request_id}: KV holds the wrong tokens"
+            if item.sample:
+                assert item.output_index == len(held) - len(self.prompts[item.request_id])
+        return answer(plan, self.token)
+
+
+def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: int = 500):
+    """Run every worker's iterations until no request is left; returns outputs and finish reasons."""
+    outputs: dict[str, list[int]] = defaultdict(list)
+    reasons: dict[str, str] = {}
+    plans: list[BatchPlan] = []
+    for _ in range(max_rounds):
+        if policy.waiting_count + policy.running_count == 0:
+            return outputs, reasons, plans
+        for worker_id, worker in workers.items():
+            plan = policy.next_plan(worker_id)
+            if plan is None:
+                continue
+            plans.append(plan)
+            for outcome in policy.on_result(worker.run(plan)):
+                assert outcome.output_index == len(outcome.request.output_token_ids) - 1
+                outputs[outcome.request_id].append(outcome.token_id)
+                if outcome.finish_reason:
+                    reasons[outcome.request_id] = outcome.finish_reason
+        for state in policy.take_finished_without_token():
+            reasons[state.request_id] = state.finish_reason
+    raise AssertionError("requests did not finish")
+
+
+def expected_output(request_id: str, count: int) -> list[int]:
+    return [token_for(request_id, index) for index in range(count)]
+
+
+def test_fcfs_order_by_arrival_time():
+    policy = make_policy(max_batch_size=2)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("late", arrival=3.0))
+    policy.add_request(record("first", arrival=1.0))
+    policy.add_request(record("second", arrival=2.0))
+    plan = policy.next_plan("w1")
+    assert [item.request_id for item in plan.items] == ["first", "second"]
+    assert [new.request_id for new in plan.new_requests] == ["first", "second"]
+    assert policy.waiting_count == 1
+
+
+def test_max_batch_size_and_token_budget_limit_a_batch():
+    policy = make_policy(max_batch_size=3, max_batch_tokens=10)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    for index in range(5):
+        policy.add_request(record(f"r{index}", prompt_len=4, arrival=index))
+    plan = policy.next_plan("w1")
+    # 4 + 4 tokens, then the third request gets the 2 tokens left: a chunk that does not sample.
+    assert [(item.request_id, len(item.token_ids), item.sample) for item in plan.items] == [
+        ("r0", 4, True), ("r1", 4, True), ("r2", 2, False)]
+    assert sum(len(item.token_ids) for item in plan.items) <= 10
+    policy.on_result(answer(plan))
+    plan = policy.next_plan("w1")
+    # Decodes first, then the rest of r2's prompt; no fourth request: the batch is full.
+    assert [(item.request_id, item.start_position, len(item.token_ids), item.sample) for item in plan.items] == [
+        ("r0", 4, 1, True), ("r1", 4, 1, True), ("r2", 2, 2, True)]
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_last_chunk():
+    policy = make_policy(max_batch_tokens=10)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    long = record("long", prompt_len=25, max_tokens=2)
+    policy.add_request(long)
+    fed = []
+    for expected_start, expected_len, expected_sample in [(0, 10, False), (10, 10, False), (20, 5, True)]:
+        plan = policy.next_plan("w1")
+        (item,) = plan.items
+        assert (item.start_position, len(item.token_ids), item.sample) == (expected_start, expected_len, expected_sample)
+        assert item.output_index == 0
+        fed.extend(item.token_ids)
+        outcomes = policy.on_result(answer(plan))
+        assert len(outcomes) == (1 if expected_sample else 0)
+    assert tuple(fed) == long.prompt_token_ids
+    plan = policy.next_plan("w1")
+    assert [(item.start_position, item.token_ids, item.output_index) for item in plan.items] == [
+        (25, (token_for("long", 0),), 1)]
+
+
+def test_prefill_and_decode_share_a_batch_and_output_index_counts_up():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("a", prompt_len=3, arrival=0, max_tokens=4))
+    plan = policy.next_plan("w1")
+    assert [item.output_index for item in plan.items] == [0]
+    policy.on_result(answer(plan))
+    policy.add_request(record("b", prompt_len=5, arrival=1))
+    plan = policy.next_plan("w1")
+    assert [(item.request_id, len(item.token_ids), item.output_index) for item in plan.items] == [
+        ("a", 1, 1), ("b", 5, 0)]
+    policy.on_result(answer(plan))
+    plan = policy.next_plan("w1")
+    assert [(item.request_id, item.start_position, item.output_index) for item in plan.items] == [
+        ("a", 4, 2), ("b", 5, 1)]
+    assert plan.new_requests == ()  # sampling parameters cross the wire once
+
+
+def test_finished_request_leaves_and_a_waiting_one_joins_at_the_next_plan():
+    policy = make_policy(max_batch_size=2)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("short", arrival=0, max_tokens=1))
+    policy.add_request(record("long", arrival=1, max_tokens=5))
+    policy.add_request(record("next", arrival=2))
+    plan = policy.next_plan("w1")
+    assert [item.request_id for item in plan.items] == ["short", "long"]
+    outcomes = policy.on_result(answer(plan))
+    assert {outcome.request_id: outcome.finish_reason for outcome in outcomes} == {"short": "length", "long": None}
+    plan = policy.next_plan("w1")
+    assert [item.request_id for item in plan.items] == ["long", "next"]
+    assert plan.free_request_ids == ("short",)
+    assert [new.request_id for new in plan.new_requests] == ["next"]
+    records = policy.take_iteration_records()
+    assert [(record.request_ids, record.joined, record.finished) for record in records] == [
+        (("short", "long"), ("short", "long"), ("short",))]
+
+
+def _long_and_short_requests(policy_name: str):
+    policy = make_policy(policy=policy_name, max_batch_size=2)
+    policy.worker_up("w1", kv_blocks_total=1000, kv_block_size=4)
+    prompts = {}
+    for index, (name, max_tokens) in enumerate([("long", 12), ("s1", 2), ("s2", 2), ("s3", 2), ("s4", 2)]):
+        policy.add_request(rec := record(name, arrival=index, max_tokens=max_tokens))
+        prompts[name] = rec.prompt_token_ids
+    worker = FakeWorker(prompts)
+    finished_at, started_at = {}, {}
+    for iteration in range(100):
+        plan = policy.next_plan("w1")
+        if plan is None:
+            break
+        for item in plan.items:
+            started_at.setdefault(item.request_id, iteration)
+        for outcome in policy.on_result(worker.run(plan)):
+            if outcome.finish_reason:
+                finished_at[outcome.request_id] = iteration
+    assert set(finished_at) == set(prompts), "every request finishes"
+    return started_at, finished_at
+
+
+def test_iteration_policy_lets_short_requests_come_and_go_while_a_long_one_runs():
+    started_at, finished_at = _long_and_short_requests("iteration")
+    for short in ("s1", "s2", "s3", "s4"):
+        assert finished_at[short] < finished_at["long"], f"{short} waited for the long request"
+    assert started_at["s2"] == finished_at["s1"] + 1, "s2 joins at the iteration after s1 finished"
+
+
+def test_request_policy_admits_nobody_until_the_whole_batch_is_done():
+    started_at, finished_at = _long_and_short_requests("request")
+    assert finished_at["s1"] < finished_at["long"]
+    for later in ("s2", "s3", "s4"):
+        assert started_at[later] > finished_at["long"], f"{later} joined a batch that was still running"
+
+
+def test_no_admission_without_kv_room():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=4, kv_block_size=4)
+    policy.add_request(record("big", prompt_len=12, arrival=0, max_tokens=1))  # 3 blocks
+    policy.add_request(record("other", prompt_len=8, arrival=1, max_tokens=1))  # 2 blocks: 1 left
+    plan = policy.next_plan("w1")
+    assert [item.request_id for item in plan.items] == ["big"]
+    assert policy.worker("w1").kv_blocks_free == 1
+    policy.on_result(answer(plan))  # big finishes (max_tokens=1)
+    plan = policy.next_plan("w1")
+    assert [item.request_id for item in plan.items] == ["other"]
+    assert plan.free_request_ids == ("big",)
+
+
+def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=4, kv_block_size=4)
+    old, young = record("old", prompt_len=7, arrival=0, max_tokens=6), record("young", prompt_len=7, arrival=1, max_tokens=3)
+    policy.add_request(old)
+    policy.add_request(young)
+    worker = FakeWorker({"old": old.prompt_token_ids, "young": young.prompt_token_ids})
+    plan = policy.next_plan("w1")  # 2 blocks each: the cache is full
+    assert len(plan.items) == 2
+    policy.on_result(worker.run(plan))
+    plan = policy.next_plan("w1")  # both feed position 7: still 2 blocks each
+    assert len(plan.items) == 2
+    policy.on_result(worker.run(plan))
+    plan = policy.next_plan("w1")  # position 8 needs a third block: the youngest makes room
+    assert [item.request_id for item in plan.items] == ["old"]
+    assert plan.free_request_ids == ("young",)
+    young_state = policy.get("young")
+    assert (young_state.status, young_state.worker_id, young_state.computed) == ("waiting", None, 0)
+    assert len(young_state.output_token_ids) == 2, "a preempted request keeps its output"
+    policy.on_result(worker.run(plan))
+    outputs, reasons, plans = drive(policy, {"w1": worker})
+    rebuild = next(item for plan in plans for item in plan.items if item.request_id == "young")
+    assert rebuild.start_position == 0
+    assert rebuild.token_ids == young.prompt_token_ids + tuple(expected_output("young", 2))
+    assert rebuild.output_index == 2
+    assert outputs["young"] == expected_output("young", 3)[2:]
+    assert reasons == {"old": "length", "young": "length"}
+
+
+def test_kv_cache_full_error_from_the_worker_requeues_the_request():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("a", arrival=0))
+    policy.add_request(record("b", arrival=1))
+    plan = policy.next_plan("w1")
+    error = ItemError(request_id="b", code="kv_cache_full", message="no blocks")
+    outcomes = policy.on_result(answer(plan, errors=(error,)))
+    assert [outcome.request_id for outcome in outcomes] == ["a"]
+    assert policy.get("b").status == "waiting"
+    plan = policy.next_plan("w1")
+    assert "b" in plan.free_request_ids
+    assert "b" not in [item.request_id for item in plan.items], "not re-admitted in the plan that frees it"
+    policy.on_result(answer(plan))
+    plan = policy.next_plan("w1")
+    assert [(item.request_id, item.start_position) for item in plan.items if item.request_id == "b"] == [("b", 0)]
+    assert "b" in [new.request_id for new in plan.new_requests]
+
+
+def test_worker_down_moves_its_requests_to_another_worker_rebuilt_from_prompt_and_output():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    prompts = {}
+    for index in range(2):
+        policy.add_request(rec := record(f"r{index}", arrival=index, max_tokens=5))
+        prompts[rec.request_id] = rec.prompt_token_ids
+    w1 = FakeWorker(prompts)
+    for _ in range(3):
+        policy.on_result(w1.run(policy.next_plan("w1")))
+    in_flight = policy.next_plan("w1")  # a plan in flight when w1 dies is abandoned
+    policy.worker_up("w2", kv_blocks_total=100, kv_block_size=4)
+    assert sorted(policy.worker_down("w1")) == ["r0", "r1"]
+    for request_id in prompts:
+        state = policy.get(request_id)
+        assert (state.status, state.worker_id, state.computed) == ("waiting", None, 0)
+        assert len(state.output_token_ids) == 3
+    assert policy.on_result(answer(in_flight)) == [], "the dead worker's result is ignored"
+    plan = policy.next_plan("w2")
+    assert [new.request_id for new in plan.new_requests] == ["r0", "r1"]
+    for item in plan.items:
+        assert item.start_position == 0 and item.sample and item.output_index == 3
+        assert item.token_ids == prompts[item.request_id] + tuple(expected_output(item.request_id, 3))
+    w2 = FakeWorker(prompts)
+    policy.on_result(w2.run(plan))
+    outputs, reasons, _ = drive(policy, {"w2": w2})
+    assert {request_id: len(tokens) for request_id, tokens in outputs.items()} == {"r0": 1, "r1": 1}
+    assert reasons == {"r0": "length", "r1": "length"}
+
+
+def test_new_requests_are_spread_over_idle_workers_by_free_kv():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.worker_up("w2", kv_blocks_total=100, kv_block_size=4)
+    for index in range(4):
+        policy.add_request(record(f"r{index}", arrival=index))
+    first = policy.next_plan("w1")
+    second = policy.next_plan("w2")
+    assert [item.request_id for item in first.items] == ["r0", "r2"]
+    assert [item.request_id for item in second.items] == ["r1", "r3"]
+
+
+def test_an_idle_worker_with_room_does_not_leave_requests_to_a_busy_one():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.worker_up("w2", kv_blocks_total=200, kv_block_size=4)
+    policy.add_request(record("r0", arrival=0))
+    busy = policy.next_plan("w2")
+    assert [item.request_id for item in busy.items] == ["r0"]
+    policy.add_request(record("r1", arrival=1))
+    assert policy.next_plan("w2") is None, "one plan in flight per worker"
+    plan = policy.next_plan("w1")  # w2 has more free KV but is busy
+    assert [item.request_id for item in plan.items] == ["r1"]
+
+
+def test_draining_worker_gets_no_new_requests():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.set_draining("w1", True)
+    policy.add_request(record("r0"))
+    assert policy.next_plan("w1") is None
+
+
+def test_stale_results_are_ignored():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("a", max_tokens=10))
+    plan = policy.next_plan("w1")
+    assert policy.on_result(answer(plan.model_copy(update={"plan_id": plan.plan_id + 7}))) == []
+    assert policy.on_result(answer(plan.model_copy(update={"scheduler_epoch": "older"}))) == []
+    assert policy.next_plan("w1") is None, "the real plan is still in flight"
+    assert len(policy.on_result(answer(plan))) == 1
+    assert policy.on_result(answer(plan)) == [], "a duplicate result adds nothing"
+    assert policy.get("a").output_token_ids == expected_output("a", 1)
+
+
+def test_cancel_a_waiting_and_a_running_request():
+    policy = make_policy(max_batch_size=1)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("running", arrival=0))
+    policy.add_request(record("waiting", arrival=1))
+    policy.add_request(record("after", arrival=2))
+    plan = policy.next_plan("w1")
+    assert policy.cancel("waiting").status == "cancelled"
+    assert policy.cancel("running").finish_reason == "cancelled"
+    assert policy.cancel("running") is None, "cancelling twice is a no-op"
+    assert policy.on_result(answer(plan)) == [], "the cancelled request's token is dropped"
+    plan = policy.next_plan("w1")
+    assert plan.free_request_ids == ("running",)
+    assert [item.request_id for item in plan.items] == ["after"]
+
+
+def test_stop_token_ends_a_request_unless_ignore_eos():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("eos", arrival=0))
+    policy.add_request(record("ignores", arrival=1, ignore_eos=True, max_tokens=2))
+    plan = policy.next_plan("w1")
+    outcomes = policy.on_result(answer(plan, token=lambda request_id, index: 2))
+    assert [(outcome.request_id, outcome.token_id, outcome.finish_reason) for outcome in outcomes] == [
+        ("eos", 2, "stop"), ("ignores", 2, None)]
+    assert outcomes[0].request.output_token_ids == [2], "the stop token counts as a completion token"
+
+
+def test_context_length_ends_a_request():
+    policy = make_policy(context_length=10)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("a", prompt_len=8, max_tokens=100))
+    outputs, reasons, _ = drive(policy, {"w1": FakeWorker({"a": record("a", prompt_len=8).prompt_token_ids})})
+    assert len(outputs["a"]) == 2 and reasons == {"a": "length"}
+    too_long = policy.add_request(record("b", prompt_len=10))
+    assert too_long.finish_reason == "length"
+    assert [state.request_id for state in policy.take_finished_without_token()] == ["b"]
+
+
+def test_rebuild_after_a_scheduler_restart_continues_the_output():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    rec = record("a", prompt_len=3, max_tokens=5)
+    policy.add_request(rec, output_token_ids=expected_output("a", 2))
+    plan = policy.next_plan("w1")
+    (item,) = plan.items
+    assert item.token_ids == rec.prompt_token_ids + tuple(expected_output("a", 2))
+    assert (item.start_position, item.sample, item.output_index) == (0, True, 2)
+    done = policy.add_request(record("done", max_tokens=2), output_token_ids=[40, 41])
+    assert done.finish_reason == "length", "output given at add that already ends the request"
+
+
+def test_request_too_big_for_any_worker_finishes_with_length():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=2, kv_block_size=4)
+    policy.add_request(record("huge", prompt_len=9))
+    policy.add_request(record("fits", prompt_len=3, arrival=1, max_tokens=1))
+    plan = policy.next_plan("w1")
+    assert [item.request_id for item in plan.items] == ["fits"]
+    assert [(state.request_id, state.finish_reason) for state in policy.take_finished_without_token()] == [
+        ("huge", "length")]
+
+
+@pytest.mark.parametrize("policy_name", ["iteration", "request"])
+def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_name):
+    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16)
+    prompts = {}
+    for worker_id in ("w1", "w2"):
+        policy.worker_up(worker_id, kv_blocks_total=12, kv_block_size=4)
+    for index in range(20):
+        rec = record(f"r{index}", prompt_len=3 + index % 7, arrival=index, max_tokens=2 + index % 9, first_token=200 + index)
+        policy.add_request(rec)
+        prompts[rec.request_id] = rec.prompt_token_ids
+    workers = {"w1": FakeWorker(prompts), "w2": FakeWorker(prompts)}
+    outputs, reasons, _ = drive(policy, workers)
+    for index in range(20):
+        assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
+        assert reasons[f"r{index}"] == "length"
+    assert all(worker.kv_blocks_reserved == 0 for worker in map(policy.worker, ("w1", "w2")))
+    assert isinstance(TokenOutcome, type)
