@@ -12,6 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def threads_per_worker(workers: int) -> int:
+    """Each worker's share of the machine's cores, so workers don't fight each other."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -42,11 +47,19 @@ class Settings(BaseModel):
     request_ttl_seconds: int = Field(3600, ge=1)  # how long a finished request stays readable
     log_level: str = "INFO"
 
+    @staticmethod
+    def variable(name: str) -> str:
+        return "REDIS_URL" if name == "redis_url" else f"ITERSERVE_{name.upper()}"
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as environment variables, for child processes."""
+        return {self.variable(name): str(value) for name, value in self.model_dump().items()}
+
     @classmethod
     def from_env(cls, **overrides: object) -> "Settings":
         values: dict[str, object] = {}
         for name in cls.model_fields:
-            variable = "REDIS_URL" if name == "redis_url" else f"ITERSERVE_{name.upper()}"
+            variable = cls.variable(name)
             if variable in os.environ:
                 values[name] = os.environ[variable]
         values.update({key: value for key, value in overrides.items() if value is not None})

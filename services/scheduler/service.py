@@ -18,9 +18,9 @@ import signal
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -42,6 +42,7 @@ from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_
 from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("iterserve.scheduler")
+T = TypeVar("T")
 
 READ_COUNT = 512  # entries per stream per XREAD
 LOAD_BATCH = 256  # requests loaded per round trip
@@ -52,6 +53,13 @@ PLAN_STREAM_MAXLEN = 1000
 ITERATIONS_STREAM_MAXLEN = 100_000
 STARTUP_CANCELS = 1000  # recent cancels re-read at start: some may target requests still active
 REMEMBERED_IDS = 100_000  # recently finished ids (dedupe), and cancels of requests not yet seen
+
+
+async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
+    """Await with a time limit. (asyncio.wait_for before 3.12 can swallow a cancellation that
+    arrives as the awaited call completes, which would make the scheduler task unkillable.)"""
+    async with asyncio.timeout(seconds):
+        return await awaitable
 
 
 def token_entry_id(index: int) -> str:
@@ -148,13 +156,13 @@ class SchedulerService:
     @staticmethod
     async def _sleep(stop_event: asyncio.Event, seconds: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop_event.wait(), timeout=seconds)
+            await bounded(stop_event.wait(), seconds)
 
     async def _shutdown(self) -> None:
         """Best effort: write what is pending and take the heartbeat key down."""
         try:
             self._queue("delete", keys.SCHEDULER_HEARTBEAT)
-            await asyncio.wait_for(self._round_trip(block_ms=None, read=False), timeout=REDIS_SLACK_SECONDS)
+            await bounded(self._round_trip(block_ms=None, read=False), REDIS_SLACK_SECONDS)
         except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError) as error:
             log.warning("shutdown_write_failed error=%r", error)
         log.info("scheduler_stopped epoch=%s iterations=%d", self.epoch, self.iterations)
@@ -190,7 +198,7 @@ class SchedulerService:
         pipe.xrevrange(keys.CANCEL_STREAM, count=STARTUP_CANCELS)
         pipe.xrevrange(keys.RESULTS_STREAM, count=1)
         pipe.smembers(keys.ACTIVE_REQUESTS_SET)
-        new_tail, cancels, results_tail, active = await asyncio.wait_for(pipe.execute(), REDIS_SLACK_SECONDS)
+        new_tail, cancels, results_tail, active = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
         for stream, tail in ((keys.NEW_REQUESTS_STREAM, new_tail), (keys.CANCEL_STREAM, cancels),
                              (keys.RESULTS_STREAM, results_tail)):
             if tail:
@@ -216,7 +224,7 @@ class SchedulerService:
             pipe.hget(keys.request_key(request_id), "record")
             pipe.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
             pipe.xrange(keys.token_stream(request_id))
-        replies = await asyncio.wait_for(pipe.execute(), REDIS_SLACK_SECONDS)
+        replies = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
         for position, request_id in enumerate(request_ids):
             raw_record, active, entries = replies[3 * position : 3 * position + 3]
             self._load_one(request_id, raw_record, bool(active), entries)
@@ -271,11 +279,11 @@ class SchedulerService:
 
     async def poll_workers(self) -> None:
         """Liveness: a worker is alive while its heartbeat key exists."""
-        members = await asyncio.wait_for(self.redis.smembers(keys.WORKERS_SET), REDIS_SLACK_SECONDS)
+        members = await bounded(self.redis.smembers(keys.WORKERS_SET), REDIS_SLACK_SECONDS)
         worker_ids = sorted(_text(member) for member in members)
         values = []
         if worker_ids:
-            values = await asyncio.wait_for(
+            values = await bounded(
                 self.redis.mget([keys.worker_heartbeat(worker_id) for worker_id in worker_ids]), REDIS_SLACK_SECONDS)
         seen = set()
         for worker_id, value in zip(worker_ids, values, strict=True):
@@ -482,7 +490,7 @@ class SchedulerService:
         if read:
             pipe.xread(dict(self._stream_ids), count=READ_COUNT, block=block_ms)
         wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
-        replies = await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=wait_seconds)
+        replies = await bounded(pipe.execute(raise_on_error=False), wait_seconds)
         del self._writes[: len(writes)]
         for (command, args, _), reply in zip(writes, replies, strict=False):
             if isinstance(reply, ResponseError):
@@ -517,4 +525,4 @@ async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = N
         for signal_number in installed:
             asyncio.get_running_loop().remove_signal_handler(signal_number)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(redis.aclose(), 5)
+            await bounded(redis.aclose(), 5)

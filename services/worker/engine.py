@@ -6,7 +6,6 @@ token of every item that reaches the end of its known tokens.
 """
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -177,8 +176,3 @@ class Engine:
             outcome.tokens[item.request_id] = token
             if return_logits:
                 outcome.logits[item.request_id] = logits[row].cpu()
-
-
-def default_threads(workers: int) -> int:
-    """Each worker's share of the machine's cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))

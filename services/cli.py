@@ -1,0 +1,115 @@
+"""`iterserve`: one console script for the whole system and for each service.
+
+  iterserve up          redis (private, unless --redis-url), gateway, scheduler, N workers
+  iterserve gateway     the HTTP front door        (one process, as compose runs it)
+  iterserve scheduler   the iteration-level scheduler
+  iterserve worker      one worker: model + KV cache
+  iterserve bench       the load generator (see services/bench)
+
+Every option can also come from the environment (ITERSERVE_<OPTION>, REDIS_URL).
+"""
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from shared.config import Settings
+
+SERVICE_OPTIONS = {
+    # option: (settings field, type, help)
+    "--redis-url": ("redis_url", str, "Redis URL, e.g. redis://:password@host:6379/0 (env REDIS_URL)"),
+    "--host": ("host", str, "gateway bind address (default 127.0.0.1)"),
+    "--port": ("port", int, "gateway port (default 8000)"),
+    "--model": ("model", str, "model name or path to a GGUF file (default: SmolLM2-135M-Instruct)"),
+    "--policy": ("policy", str, "iteration (Orca) or request (FasterTransformer-style baseline)"),
+    "--max-batch-size": ("max_batch_size", int, "requests per iteration per worker (default 64)"),
+    "--max-batch-tokens": ("max_batch_tokens", int, "token budget per iteration per worker (default 512)"),
+    "--kv-blocks": ("kv_blocks", int, "KV cache blocks per worker (default 2048)"),
+    "--kv-block-size": ("kv_block_size", int, "tokens per KV block (default 16)"),
+    "--workers": ("workers", int, "workers started by `up` (default 1)"),
+    "--threads": ("threads", int, "torch threads per worker (default: cores / workers)"),
+    "--device": ("device", str, "auto, cpu, cuda, cuda:1 ... (default auto)"),
+    "--dtype": ("dtype", str, "auto, float32, bfloat16, float16 (default: bf16 on CUDA, f32 on CPU)"),
+    "--attention": ("attention", str, "batched or per_request (Orca's reference path)"),
+    "--worker-id": ("worker_id", str, "this worker's id (default: drawn at start)"),
+    "--log-level": ("log_level", str, "DEBUG, INFO, WARNING ..."),
+}
+
+
+def add_service_options(parser: argparse.ArgumentParser) -> None:
+    for option, (field, kind, help_text) in SERVICE_OPTIONS.items():
+        parser.add_argument(option, dest=field, type=kind, default=None, help=help_text)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings.from_env(**{field: getattr(args, field, None) for field, _, _ in SERVICE_OPTIONS.values()})
+
+
+def configure_logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def serve(run_service, settings: Settings) -> None:
+    """Run one service's `run_*(settings, stop_event)` until SIGTERM or SIGINT."""
+
+    async def until_signal() -> None:
+        stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signal_number in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signal_number, stop_event.set)
+        await run_service(settings, stop_event)
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(until_signal())
+    else:
+        uvloop.run(until_signal())
+
+
+def require_redis(settings: Settings, parser: argparse.ArgumentParser) -> None:
+    if not settings.redis_url:
+        parser.error("no Redis: pass --redis-url or set REDIS_URL (or start everything with `iterserve up`)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("up", "gateway", "scheduler", "worker"):
+        add_service_options(commands.add_parser(name, help=f"run {name}"))
+    bench = commands.add_parser("bench", help="load generator against a running gateway", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        from services.bench.cli import main as bench_main
+
+        bench_main(args.bench_args)
+        return
+    settings = settings_from(args)
+    configure_logging(settings)
+    if args.command == "up":
+        from services.launcher import run_up
+
+        sys.exit(run_up(settings))
+    require_redis(settings, parser)
+    if args.command == "gateway":
+        from services.gateway.app import run_gateway
+
+        serve(run_gateway, settings)
+    elif args.command == "scheduler":
+        from services.scheduler.service import run_scheduler
+
+        serve(run_scheduler, settings)
+    elif args.command == "worker":
+        from services.worker.service import run_worker
+
+        serve(run_worker, settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""`iterserve up`: the whole system on one machine, each service its own OS process.
+
+Starts a private redis-server (append-only, data kept under the data directory) unless a
+Redis URL is given, then the scheduler, the workers and the gateway; prefixes their logs;
+on Ctrl-C or SIGTERM stops them all and reaps them. A child that dies is reported and, like
+compose's restart policy, started again after a short back-off.
+"""
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from shared.config import Settings, threads_per_worker
+
+log = logging.getLogger("iterserve.up")
+
+STOP_GRACE_SECONDS = 15.0
+RESTART_BACKOFF_SECONDS = 2.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if `iterserve up` itself is killed (Linux), so none is left behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Child:
+    def __init__(self, name: str, command: list[str], env: dict[str, str]):
+        self.name, self.command, self.env = name, command, env
+        self.process: subprocess.Popen | None = None
+        self.exited_at = 0.0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        threading.Thread(target=self._relay, args=(self.process,), daemon=True).start()
+        log.info("event=started process=%s pid=%d", self.name, self.process.pid)
+
+    def _relay(self, process: subprocess.Popen) -> None:
+        prefix = f"{self.name:<10}| ".encode()
+        for line in iter(process.stdout.readline, b""):
+            sys.stdout.buffer.write(prefix + line)
+            sys.stdout.flush()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, number: int) -> None:
+        if self.running():
+            self.process.send_signal(number)
+
+    def wait(self, deadline: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("event=kill process=%s pid=%d reason=did_not_stop", self.name, self.process.pid)
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def redis_child(data_dir: Path) -> tuple[Child, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("iterserve up: redis-server is not installed; install it (apt-get install redis-server) "
+                         "or pass --redis-url")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+               "--appendfsync", "everysec", "--dir", str(data_dir)]
+    return Child("redis", command, dict(os.environ)), f"redis://127.0.0.1:{port}/0"
+
+
+def wait_for_redis(url: str, timeout: float = 15.0) -> None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def data_directory() -> Path:
+    return Path(os.environ.get("ITERSERVE_DATA_DIR", Path.home() / ".local" / "share" / "iterserve"))
+
+
+def run_up(settings: Settings) -> int:
+    stop_requested = threading.Event()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda *_: stop_requested.set())
+
+    redis_process = None
+    if not settings.redis_url:
+        redis_process, url = redis_child(data_directory() / "redis")
+        redis_process.start()
+        wait_for_redis(url)
+        settings = settings.model_copy(update={"redis_url": url})
+    threads = settings.threads or threads_per_worker(settings.workers)
+    env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
+    service = [sys.executable, "-m", "services.cli"]
+    children = [Child("scheduler", service + ["scheduler"], env)]
+    for index in range(settings.workers):
+        # No fixed worker id: a restarted worker is a new worker (its predecessor's KV is gone).
+        worker_env = env | {"ITERSERVE_THREADS": str(threads), "ITERSERVE_WORKER_ID": ""}
+        children.append(Child(f"worker-{index + 1}", service + ["worker"], worker_env))
+    children.append(Child("gateway", service + ["gateway"], env))
+    for child in children:
+        child.start()
+    log.info("event=up redis=%s gateway=http://%s:%d workers=%d threads_per_worker=%d", settings.redis_url,
+             settings.host, settings.port, settings.workers, threads)
+
+    while not stop_requested.wait(0.2):
+        for child in children:
+            if child.process is not None and not child.running():
+                log.warning("event=exited process=%s code=%s restart_in=%.0fs", child.name,
+                            child.process.returncode, RESTART_BACKOFF_SECONDS)
+                child.process, child.exited_at = None, time.monotonic()
+            elif child.process is None and time.monotonic() - child.exited_at > RESTART_BACKOFF_SECONDS:
+                child.start()
+
+    log.info("event=stopping")
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for child in reversed(children):  # gateway first: no new requests while the rest stops
+        child.signal(signal.SIGTERM)
+    for child in children:
+        child.wait(deadline)
+    if redis_process is not None:
+        redis_process.signal(signal.SIGTERM)
+        redis_process.wait(time.monotonic() + STOP_GRACE_SECONDS)
+    log.info("event=stopped")
+    return 0

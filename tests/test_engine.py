@@ -1,0 +1,279 @@
+"""The worker engine: exact against transformers, batch-invariant, paged KV that never leaks."""
+
+import random
+
+import pytest
+import torch
+
+from services.worker.engine import Engine
+from services.worker.kv_cache import KVCacheFull
+from shared.config import Settings
+from shared.messages import SamplingParams
+from shared.tokenizer import Tokenizer
+from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_item
+
+ATTENTION_PATHS = ["batched", "per_request"]
+# float32, different matmul shapes per batch: logits agree to about 1e-4; this leaves margin.
+LOGITS_ATOL, LOGITS_RTOL = 2e-3, 1e-3
+
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one sentence."},
+     {"role": "user", "content": "Explain why the sky is blue."}],
+    [{"role": "user", "content": "Traduis en anglais : « Où est la gare ? Je voudrais un café crème. » 🚆"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.load()
+
+
+@pytest.fixture(scope="module")
+def real_engine():
+    torch.set_num_threads(2)
+    return Engine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="float32"))
+
+
+# The real model against the oracle
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    transformers = pytest.importorskip("transformers")
+    from shared.model_file import locate_gguf
+
+    path = locate_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("messages", CHAT_PROMPTS, ids=["capital", "system-prompt", "non-ascii"])
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(real_engine, transformers_model, tokenizer, messages):
+    prompt = tokenizer.encode_chat(messages)
+    new_tokens = 24
+    with torch.inference_mode():
+        expected = transformers_model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt):].tolist()
+    real_engine.attention = "batched"
+    actual = generate_alone(real_engine, "oracle", prompt, new_tokens)
+    assert actual == expected, f"engine {tokenizer.decode(actual)!r} != transformers {tokenizer.decode(expected)!r}"
+
+
+@pytest.mark.slow
+def test_first_step_logits_equal_transformers(real_engine, transformers_model, tokenizer):
+    prompt = tokenizer.encode_chat(CHAT_PROMPTS[2])
+    with torch.inference_mode():
+        expected = transformers_model(torch.tensor([prompt])).logits[0, -1]
+    real_engine.add_request("logits", GREEDY)
+    actual = real_engine.step([prefill_item("logits", prompt)], return_logits=True).logits["logits"]
+    real_engine.free("logits")
+    torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+
+
+# Selective batching: a mixed step equals each request run alone
+
+
+def mixed_step_matches_solo_runs(engine: Engine, prompts: list[list[int]]) -> None:
+    """Requests 0 and 1 prefill in the mixed step; 2 and 3 decode (at different positions)
+    after being prefilled earlier; 4 prefills its second chunk. Compare with solo runs."""
+    solo_logits = {}
+    for index, prompt in enumerate(prompts):
+        request_id = f"solo{index}"
+        engine.add_request(request_id, GREEDY)
+        if index in (2, 3):
+            first = engine.step([prefill_item(request_id, prompt)]).tokens[request_id]
+            step = engine.step([decode_item(request_id, first, len(prompt), 1)], return_logits=True)
+        elif index == 4:
+            engine.step([prefill_item(request_id, prompt[:5], sample=False)])
+            step = engine.step([prefill_item(request_id, prompt[5:], start=5)], return_logits=True)
+        else:
+            step = engine.step([prefill_item(request_id, prompt)], return_logits=True)
+        solo_logits[index] = step.logits[request_id]
+        engine.free(request_id)
+
+    for index in range(len(prompts)):
+        engine.add_request(f"mixed{index}", GREEDY)
+    first_tokens = {index: engine.step([prefill_item(f"mixed{index}", prompts[index])]).tokens[f"mixed{index}"]
+                    for index in (2, 3)}
+    engine.step([prefill_item("mixed4", prompts[4][:5], sample=False)])
+    items = [
+        prefill_item("mixed0", prompts[0]),
+        decode_item("mixed2", first_tokens[2], len(prompts[2]), 1),
+        prefill_item("mixed1", prompts[1]),
+        decode_item("mixed3", first_tokens[3], len(prompts[3]), 1),
+        prefill_item("mixed4", prompts[4][5:], start=5),
+    ]
+    mixed = engine.step(items, return_logits=True)
+    for index in range(len(prompts)):
+        actual = mixed.logits[f"mixed{index}"]
+        torch.testing.assert_close(actual, solo_logits[index], atol=LOGITS_ATOL, rtol=LOGITS_RTOL,
+                                   msg=lambda m: f"request {index}, {engine.attention}: {m}")
+        assert int(actual.argmax()) == int(solo_logits[index].argmax()), f"request {index} greedy token differs"
+        engine.free(f"mixed{index}")
+    assert engine.kv_cache.blocks_free == engine.kv_cache.blocks_total
+
+
+@pytest.mark.parametrize("attention", ATTENTION_PATHS)
+def test_mixed_prefill_and_decode_step_equals_solo_runs_tiny_model(attention):
+    engine = Engine.tiny(kv_blocks=128, kv_block_size=4, attention=attention)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(length)] for length in (13, 3, 9, 30, 11)]
+    mixed_step_matches_solo_runs(engine, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ATTENTION_PATHS)
+def test_mixed_prefill_and_decode_step_equals_solo_runs_real_model(real_engine, tokenizer, attention):
+    real_engine.attention = attention
+    texts = ["Write a haiku about autumn leaves.", "Hi", "List three prime numbers and explain why.",
+             "Что такое машинное обучение? Ответь коротко, пожалуйста, одним абзацем.", "Tell me a joke."]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
+    mixed_step_matches_solo_runs(real_engine, prompts)
+
+
+def test_both_attention_paths_give_the_same_logits():
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(length)] for length in (17, 1, 6)]
+    results = {}
+    for attention in ATTENTION_PATHS:
+        engine = Engine.tiny(attention=attention)
+        for index in range(3):
+            engine.add_request(str(index), GREEDY)
+        step = engine.step([prefill_item(str(index), prompt) for index, prompt in enumerate(prompts)], return_logits=True)
+        results[attention] = step.logits
+    for index in range(3):
+        torch.testing.assert_close(results["batched"][str(index)], results["per_request"][str(index)],
+                                   atol=1e-4, rtol=1e-4)
+
+
+# Paged KV cache
+
+
+def test_blocks_all_return_after_many_random_requests_start_grow_finish_and_get_evicted():
+    engine = Engine.tiny(kv_blocks=40, kv_block_size=4)
+    rng = random.Random(3)
+    live: dict[str, int] = {}  # request id -> tokens in KV
+    next_tokens: dict[str, int] = {}
+    for round_index in range(300):
+        action = rng.random()
+        if action < 0.3 or not live:
+            request_id = f"r{round_index}"
+            engine.add_request(request_id, GREEDY)
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+            step = engine.step([prefill_item(request_id, prompt)])
+            if step.errors:
+                assert step.errors[0].code == "kv_cache_full"
+                engine.free(request_id)
+                continue
+            live[request_id] = len(prompt)
+            next_tokens[request_id] = step.tokens[request_id]
+        elif action < 0.8:
+            batch = rng.sample(sorted(live), k=min(len(live), rng.randint(1, 5)))
+            step = engine.step([decode_item(r, next_tokens[r], live[r], 1) for r in batch])
+            for request_id in batch:
+                if request_id in step.tokens:
+                    live[request_id] += 1
+                    next_tokens[request_id] = step.tokens[request_id]
+                else:  # the pool was full: the caller evicts it, as the scheduler preempts
+                    assert [e.code for e in step.errors if e.request_id == request_id] == ["kv_cache_full"]
+                    engine.free(request_id)
+                    del live[request_id]
+        else:
+            request_id = rng.choice(sorted(live))
+            engine.free(request_id)
+            del live[request_id]
+        used = sum(-(-tokens // 4) for tokens in live.values())
+        assert engine.kv_cache.blocks_free == engine.kv_cache.blocks_total - used
+    for request_id in list(live):
+        engine.free(request_id)
+    assert engine.kv_cache.blocks_free == engine.kv_cache.blocks_total
+
+
+def test_a_request_that_would_overflow_the_pool_gets_a_typed_error_and_others_still_run():
+    engine = Engine.tiny(kv_blocks=8, kv_block_size=4)  # 32 tokens in all
+    engine.add_request("small", GREEDY)
+    engine.add_request("huge", GREEDY)
+    step = engine.step([prefill_item("huge", list(range(40))), prefill_item("small", [1, 2, 3])])
+    assert [(e.request_id, e.code) for e in step.errors] == [("huge", "kv_cache_full")]
+    assert "small" in step.tokens and "huge" not in step.tokens
+    assert engine.kv_cache.blocks_free == 7  # the failed item reserved nothing
+    with pytest.raises(KVCacheFull) as raised:
+        engine.kv_cache.grow("huge", 40)
+    assert raised.value.blocks_needed == 10 and raised.value.blocks_free == 7
+    follow_up = engine.step([decode_item("small", step.tokens["small"], 3, 1)])
+    assert "small" in follow_up.tokens
+
+
+def test_inconsistent_items_are_refused_without_touching_the_kv():
+    engine = Engine.tiny()
+    engine.add_request("a", GREEDY)
+    step = engine.step([prefill_item("a", [1, 2, 3])])
+    bad = engine.step([decode_item("a", 5, 7, 1), decode_item("ghost", 5, 0, 0), prefill_item("a", [999], start=3)])
+    assert [e.code for e in bad.errors] == ["bad_item", "unknown_request", "bad_item"]
+    assert engine.kv_cache.length("a") == 3
+    assert "a" in engine.step([decode_item("a", step.tokens["a"], 3, 1)]).tokens
+
+
+# Seeded sampling
+
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=64)
+
+
+def test_seeded_sampling_is_invariant_to_batch_composition_and_kv_rebuild_tiny_model():
+    seeded_sampling_is_invariant(Engine.tiny(kv_blocks=256), list(range(5, 25)), count=16)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_invariant_to_batch_composition_and_kv_rebuild_real_model(real_engine, tokenizer):
+    real_engine.attention = "batched"
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Tell me a short story about a robot."}])
+    seeded_sampling_is_invariant(real_engine, prompt, count=12)
+
+
+def seeded_sampling_is_invariant(engine: Engine, prompt: list[int], count: int) -> None:
+    alone = generate_alone(engine, "alone", prompt, count, SEEDED)
+    assert len(set(alone)) > 1
+
+    # In a batch with other requests (greedy and differently seeded) joining and leaving.
+    engine.add_request("s", SEEDED)
+    engine.add_request("other", SamplingParams(temperature=1.0, seed=99))
+    engine.add_request("greedy", GREEDY)
+    step = engine.step([prefill_item("other", prompt[:3]), prefill_item("s", prompt), prefill_item("greedy", prompt[2:])])
+    batched = [step.tokens["s"]]
+    other_position, other_token = 3, step.tokens["other"]
+    while len(batched) < count:
+        items = [decode_item("s", batched[-1], len(prompt) + len(batched) - 1, len(batched))]
+        if len(batched) % 3:
+            items.insert(0, decode_item("other", other_token, other_position, other_position - 2))
+        step = engine.step(items)
+        batched.append(step.tokens["s"])
+        if "other" in step.tokens:
+            other_position, other_token = other_position + 1, step.tokens["other"]
+    for request_id in ("s", "other", "greedy"):
+        engine.free(request_id)
+    assert batched == alone
+
+    # KV rebuilt mid-way from prompt + tokens so far, as after a move to another worker.
+    half = count // 2
+    engine.add_request("rebuilt", SEEDED)
+    rebuilt = list(alone[:half])
+    step = engine.step([prefill_item("rebuilt", prompt + rebuilt[:-1], output_index=half - 1)])
+    assert step.tokens["rebuilt"] == alone[half - 1]
+    while len(rebuilt) < count:
+        step = engine.step([decode_item("rebuilt", rebuilt[-1], len(prompt) + len(rebuilt) - 1, len(rebuilt))])
+        rebuilt.append(step.tokens["rebuilt"])
+    engine.free("rebuilt")
+    assert rebuilt == alone
+
+
+def test_greedy_is_temperature_zero_and_top_k_one_is_greedy_too():
+    engine = Engine.tiny()
+    prompt = list(range(10, 30))
+    greedy = generate_alone(engine, "g", prompt, 8)
+    top1 = generate_alone(engine, "k", prompt, 8, SamplingParams(temperature=1.5, top_k=1, seed=5))
+    assert greedy == top1

@@ -1,0 +1,378 @@
+"""The scheduler process against a private Redis, with a fake worker (a test double of the worker
+process only: the scheduler, the policy and the tokenizer are the real ones)."""
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+
+import pytest
+
+from services.scheduler.service import run_scheduler
+from shared import keys
+from shared.config import Settings
+from shared.messages import (
+    BatchPlan,
+    IterationRecord,
+    PlanResult,
+    RequestRecord,
+    SampledToken,
+    SamplingParams,
+    SchedulerInfo,
+    TokenEvent,
+    WorkerInfo,
+)
+from shared.redis_connection import connect
+from shared.wire import WireError, decode, encode
+
+pytestmark = pytest.mark.timeout(60)
+
+STOP_AT = {(7, 3)}  # (seed, output_index) where the fake model samples the stop token 2
+
+
+def fake_token(seed: int, output_index: int) -> int:
+    """The fake model's output: printable ASCII (ids 17..106 are "!".."z"), a function of (seed, index)."""
+    if (seed, output_index) in STOP_AT:
+        return 2
+    return 17 + (seed + output_index) % 90
+
+
+class FakeWorker:
+    """Speaks the worker side of docs/protocol.md and checks every plan it gets: the KV it would
+    hold must be exactly prompt + output so far, or the plan was wrong."""
+
+    def __init__(self, redis_url: str, worker_id: str, prompts: dict[str, tuple[int, ...]],
+                 kv_blocks_total: int = 512, kv_block_size: int = 16, step_seconds: float = 0.002,
+                 timeout_ms: int = 600) -> None:
+        self.redis = connect(redis_url)
+        self.worker_id = worker_id
+        self.prompts = prompts
+        self.kv_blocks_total, self.kv_block_size = kv_blocks_total, kv_block_size
+        self.step_seconds = step_seconds
+        self.timeout_ms = timeout_ms
+        self.started_at = time.time()
+        self.epoch: str | None = None
+        self.kv: dict[str, list[int]] = {}
+        self.seeds: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.plans: list[BatchPlan] = []
+        self.stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> "FakeWorker":
+        await self._heartbeat_once()
+        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._serve())]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.kill()
+        # A clean exit, as a worker stopping gracefully would leave it: no heartbeat key behind.
+        await self.redis.delete(keys.worker_heartbeat(self.worker_id))
+        await self.redis.srem(keys.WORKERS_SET, self.worker_id)
+        await self.redis.aclose()
+
+    async def kill(self) -> None:
+        """Stop answering and stop the heartbeat (its key expires: the scheduler sees it dead)."""
+        self.stop.set()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _heartbeat_once(self) -> None:
+        info = WorkerInfo(worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), device="fake",
+                          kv_block_size=self.kv_block_size, kv_blocks_total=self.kv_blocks_total,
+                          kv_blocks_free=self.kv_blocks_total, running=len(self.kv),
+                          started_at=self.started_at, heartbeat_at=time.time())
+        await self.redis.set(keys.worker_heartbeat(self.worker_id), encode(info), px=self.timeout_ms)
+        await self.redis.sadd(keys.WORKERS_SET, self.worker_id)
+
+    async def _heartbeats(self) -> None:
+        while not self.stop.is_set():
+            await asyncio.sleep(0.1)
+            await self._heartbeat_once()
+
+    async def _serve(self) -> None:
+        last_id = "0-0"
+        while not self.stop.is_set():
+            reply = await self.redis.xread({keys.plan_stream(self.worker_id): last_id}, count=10, block=50)
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    plan = decode(BatchPlan, fields[b"m"])
+                    self.plans.append(plan)
+                    result = self._run(plan)
+                    await asyncio.sleep(self.step_seconds)
+                    await self.redis.xadd(keys.RESULTS_STREAM, {"m": encode(result)})
+
+    def _run(self, plan: BatchPlan) -> PlanResult:
+        if plan.scheduler_epoch != self.epoch:
+            self.epoch = plan.scheduler_epoch
+            self.kv.clear()
+            self.seeds.clear()
+        for request_id in plan.free_request_ids:
+            self.kv.pop(request_id, None)
+            self.seeds.pop(request_id, None)
+        for new in plan.new_requests:
+            self.seeds[new.request_id] = new.sampling.seed
+        tokens = []
+        for item in plan.items:
+            if item.request_id not in self.seeds:
+                self.errors.append(f"plan {plan.plan_id}: {item.request_id} has no NewRequest")
+                continue
+            held = self.kv.setdefault(item.request_id, [])
+            if item.start_position == 0:
+                held.clear()
+            if item.start_position != len(held):
+                self.errors.append(f"{item.request_id}: start {item.start_position} but KV holds {len(held)}")
+                continue
+            held.extend(item.token_ids)
+            seed, prompt = self.seeds[item.request_id], self.prompts[item.request_id]
+            expected = list(prompt) + [fake_token(seed, index) for index in range(len(held) - len(prompt))]
+            if held != expected[: len(held)]:
+                self.errors.append(f"{item.request_id}: KV holds {held}, expected {expected[: len(held)]}")
+            if item.sample:
+                if item.output_index != len(held) - len(prompt):
+                    self.errors.append(f"{item.request_id}: output_index {item.output_index} after {len(held)} tokens")
+                tokens.append(SampledToken(request_id=item.request_id, token_id=fake_token(seed, item.output_index),
+                                           output_index=item.output_index))
+        return PlanResult(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=self.worker_id,
+                          tokens=tuple(tokens), kv_blocks_total=self.kv_blocks_total,
+                          kv_blocks_free=self.kv_blocks_total, step_seconds=self.step_seconds)
+
+
+@pytest.fixture
+def settings(redis_url) -> Settings:
+    return Settings(redis_url=redis_url, heartbeat_seconds=0.1, worker_timeout_seconds=0.6,
+                    max_batch_size=8, max_batch_tokens=64, request_ttl_seconds=120)
+
+
+@contextlib.asynccontextmanager
+async def running_scheduler(settings: Settings):
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_scheduler(settings, stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=15)
+
+
+async def kill(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=10)
+
+
+async def submit(redis, request_id: str, prompt: tuple[int, ...], **sampling) -> RequestRecord:
+    """What the gateway does (docs/protocol.md, "Accepting a request")."""
+    sampling.setdefault("seed", 1)
+    record = RequestRecord(request_id=request_id, prompt_token_ids=prompt, sampling=SamplingParams(**sampling),
+                           arrival_time=time.time())
+    pipe = redis.pipeline(transaction=True)
+    pipe.hset(keys.request_key(request_id), mapping={"record": encode(record), "status": "waiting"})
+    pipe.sadd(keys.ACTIVE_REQUESTS_SET, request_id)
+    pipe.xadd(keys.NEW_REQUESTS_STREAM, {"id": request_id})
+    await pipe.execute()
+    return record
+
+
+async def read_events(redis, request_id: str) -> list[tuple[bytes, TokenEvent]]:
+    entries = await redis.xrange(keys.token_stream(request_id))
+    return [(entry_id, decode(TokenEvent, fields[b"m"])) for entry_id, fields in entries]
+
+
+async def wait_finished(redis, request_id: str, timeout: float = 20.0) -> list[TokenEvent]:
+    deadline = time.monotonic() + timeout
+    while True:
+        events = await read_events(redis, request_id)
+        if events and events[-1][1].finish_reason is not None:
+            return [event for _, event in events]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{request_id} did not finish in {timeout}s: {len(events)} events")
+        await asyncio.sleep(0.02)
+
+
+async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def check_stream(request_id: str, events: list[TokenEvent], seed: int, prompt_len: int, completion_tokens: int,
+                 finish_reason: str) -> None:
+    assert [event.index for event in events] == list(range(len(events))), f"{request_id}: indexes out of order"
+    assert all(event.finish_reason is None for event in events[:-1]), f"{request_id}: finish before the end"
+    final = events[-1]
+    assert final.finish_reason == finish_reason, f"{request_id}: finished {final.finish_reason}"
+    assert (final.prompt_tokens, final.completion_tokens) == (prompt_len, completion_tokens), request_id
+    assert [event.token_id for event in events] == [fake_token(seed, index) for index in range(completion_tokens)]
+
+
+async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings):
+    prompts = {"cmpl-len": (1, 2, 3), "cmpl-eos": (4, 5), "cmpl-stopstr": (6, 7, 8, 9), "cmpl-long": tuple(range(300, 400))}
+    async with FakeWorker(settings.redis_url, "w1", prompts) as worker, running_scheduler(settings):
+        await submit(redis_client, "cmpl-len", prompts["cmpl-len"], seed=1, max_tokens=5)
+        await submit(redis_client, "cmpl-eos", prompts["cmpl-eos"], seed=7, max_tokens=20)
+        # seed 0 writes "!\"#$%&'()...": the stop string "%&" ends the text at "!\"#$"
+        await submit(redis_client, "cmpl-stopstr", prompts["cmpl-stopstr"], seed=0, max_tokens=20, stop=("%&",))
+        await submit(redis_client, "cmpl-long", prompts["cmpl-long"], seed=3, max_tokens=4)  # 100 tokens: chunked
+        finished = {request_id: await wait_finished(redis_client, request_id) for request_id in prompts}
+        check_stream("cmpl-len", finished["cmpl-len"], 1, 3, 5, "length")
+        assert "".join(event.text for event in finished["cmpl-len"]) == '"#$%&'
+        check_stream("cmpl-eos", finished["cmpl-eos"], 7, 2, 4, "stop")
+        assert finished["cmpl-eos"][-1].token_id == 2 and finished["cmpl-eos"][-1].text == ""
+        stop_events = finished["cmpl-stopstr"]
+        check_stream("cmpl-stopstr", stop_events, 0, 4, 6, "stop")
+        assert [event.text for event in stop_events] == ["!", '"', "#", "$", "", ""], "'%' held back, then dropped"
+        check_stream("cmpl-long", finished["cmpl-long"], 3, 100, 4, "length")
+        entry_ids = [entry_id for entry_id, _ in await read_events(redis_client, "cmpl-len")]
+        assert entry_ids == [b"0-1", b"0-2", b"0-3", b"0-4", b"0-5"]
+
+        for request_id, reason in [("cmpl-len", b"length"), ("cmpl-eos", b"stop"), ("cmpl-stopstr", b"stop")]:
+            status = await redis_client.hmget(keys.request_key(request_id), ["status", "finish_reason"])
+            assert status == [b"finished", reason], request_id
+            assert 0 < await redis_client.ttl(keys.token_stream(request_id)) <= settings.request_ttl_seconds
+            assert 0 < await redis_client.ttl(keys.request_key(request_id)) <= settings.request_ttl_seconds
+        assert await redis_client.smembers(keys.ACTIVE_REQUESTS_SET) == set()
+        info = decode(SchedulerInfo, await redis_client.get(keys.SCHEDULER_HEARTBEAT))
+        await wait_until(lambda: _heartbeat_shows_iterations(redis_client), what="a heartbeat with iterations")
+        assert info.policy == "iteration"
+        records = [decode(IterationRecord, fields[b"m"])
+                   for _, fields in await redis_client.xrange(keys.ITERATIONS_STREAM)]
+        assert records and all(record.worker_id == "w1" for record in records)
+        assert sum(record.prefill_tokens for record in records) >= sum(map(len, prompts.values()))
+        assert {request_id for record in records for request_id in record.finished} == set(prompts)
+        assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
+        assert worker.errors == []
+
+
+async def _heartbeat_shows_iterations(redis_client) -> bool:
+    info = decode(SchedulerInfo, await redis_client.get(keys.SCHEDULER_HEARTBEAT))
+    return info.iterations > 0 and info.last_iteration_at > 0 and info.waiting == 0 and info.running == 0
+
+
+async def test_malformed_messages_are_skipped(redis_client, settings):
+    prompts = {"cmpl-ok": (10, 11, 12)}
+    async with FakeWorker(settings.redis_url, "w1", prompts) as worker, running_scheduler(settings) as task:
+        await redis_client.xadd(keys.RESULTS_STREAM, {"m": b"\xc1 not msgpack"})
+        await redis_client.xadd(keys.RESULTS_STREAM, {"m": encode(SamplingParams())})  # msgpack, wrong shape
+        await redis_client.xadd(keys.RESULTS_STREAM, {"other": b"field"})
+        await redis_client.xadd(keys.NEW_REQUESTS_STREAM, {"m": b"\xc1\xc1"})  # no id field
+        await redis_client.xadd(keys.NEW_REQUESTS_STREAM, {"id": b"cmpl-missing"})  # no such request
+        await redis_client.xadd(keys.CANCEL_STREAM, {"nothing": b"here"})
+        await redis_client.hset(keys.request_key("cmpl-garbled"), mapping={"record": b"\xc1garbage", "status": "waiting"})
+        await redis_client.sadd(keys.ACTIVE_REQUESTS_SET, "cmpl-garbled")
+        await redis_client.xadd(keys.NEW_REQUESTS_STREAM, {"id": b"cmpl-garbled"})
+        await redis_client.set(keys.worker_heartbeat("w-bad"), b"\xc1")
+        await redis_client.sadd(keys.WORKERS_SET, "w-bad")
+        await submit(redis_client, "cmpl-ok", prompts["cmpl-ok"], seed=5, max_tokens=3)
+        events = await wait_finished(redis_client, "cmpl-ok")
+        check_stream("cmpl-ok", events, 5, 3, 3, "length")
+        garbled = await wait_finished(redis_client, "cmpl-garbled")
+        assert [(event.token_id, event.finish_reason) for event in garbled] == [(-1, "error")]
+        assert await redis_client.hget(keys.request_key("cmpl-garbled"), "status") == b"failed"
+        assert not task.done(), "the scheduler is still running"
+        assert worker.errors == []
+
+
+async def test_cancel_a_running_and_a_waiting_request(redis_client, settings):
+    settings = settings.model_copy(update={"max_batch_size": 1})
+    prompts = {"cmpl-running": (1, 2, 3), "cmpl-waiting": (4, 5, 6), "cmpl-after": (7, 8)}
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.005) as worker, running_scheduler(settings):
+        await submit(redis_client, "cmpl-running", prompts["cmpl-running"], seed=2, max_tokens=100_000)
+        await wait_until(lambda: _has_events(redis_client, "cmpl-running", 3), what="first tokens")
+        await submit(redis_client, "cmpl-waiting", prompts["cmpl-waiting"], seed=2, max_tokens=5)
+        await submit(redis_client, "cmpl-after", prompts["cmpl-after"], seed=4, max_tokens=2)
+        await redis_client.xadd(keys.CANCEL_STREAM, {"id": "cmpl-waiting"})
+        waiting = await wait_finished(redis_client, "cmpl-waiting")
+        assert [(event.index, event.token_id, event.text, event.finish_reason) for event in waiting] == [
+            (0, -1, "", "cancelled")]
+        await redis_client.xadd(keys.CANCEL_STREAM, {"id": "cmpl-running"})
+        running = await wait_finished(redis_client, "cmpl-running")
+        final = running[-1]
+        assert (final.token_id, final.text, final.finish_reason) == (-1, "", "cancelled")
+        assert final.completion_tokens == final.index == len(running) - 1
+        assert await redis_client.hmget(keys.request_key("cmpl-running"), ["status", "finish_reason"]) == [
+            b"cancelled", b"cancelled"]
+        check_stream("cmpl-after", await wait_finished(redis_client, "cmpl-after"), 4, 2, 2, "length")
+        assert any("cmpl-running" in plan.free_request_ids for plan in worker.plans), "its KV was freed"
+        assert all(item.request_id != "cmpl-waiting" for plan in worker.plans for item in plan.items)
+        assert worker.errors == []
+
+
+async def _has_events(redis_client, request_id: str, count: int) -> bool:
+    return await redis_client.xlen(keys.token_stream(request_id)) >= count
+
+
+WORKLOAD = [  # (name, prompt, sampling): stop strings, a stop token, chunked prefill, long outputs
+    ("a", tuple(range(20, 30)), {"seed": 0, "max_tokens": 40, "stop": ("DEF",)}),  # stops at its 38th token
+    ("b", tuple(range(40, 43)), {"seed": 7, "max_tokens": 40}),  # stop token at index 3
+    ("c", tuple(range(100, 250)), {"seed": 11, "max_tokens": 60}),  # 150-token prompt over 3 chunks
+    ("d", (5, 6), {"seed": 30, "max_tokens": 50, "stop": ("never", "~~")}),
+    ("e", tuple(range(60, 90)), {"seed": 50, "max_tokens": 45}),
+    ("f", (9,), {"seed": 80, "max_tokens": 55, "ignore_eos": True}),
+]
+
+
+async def _run_workload(redis_client, settings, prefix: str, interrupt: bool) -> dict[str, list[TokenEvent]]:
+    prompts = {f"{prefix}-{name}": prompt for name, prompt, _ in WORKLOAD}
+
+    async def halfway() -> bool:
+        counts = [await redis_client.xlen(keys.token_stream(f"{prefix}-{name}")) for name in ("d", "e", "f")]
+        return sum(counts) >= 40
+
+    async with FakeWorker(settings.redis_url, f"w-{prefix}", prompts, step_seconds=0.004) as worker:
+        schedulers = [asyncio.create_task(run_scheduler(settings, asyncio.Event()))]
+        try:
+            for name, prompt, sampling in WORKLOAD:
+                await submit(redis_client, f"{prefix}-{name}", prompt, **sampling)
+            if interrupt:
+                await wait_until(halfway, what="tokens before the kill")
+                await kill(schedulers[0])
+                assert await redis_client.scard(keys.ACTIVE_REQUESTS_SET) > 0, "killed mid-run"
+                schedulers.append(asyncio.create_task(run_scheduler(settings, asyncio.Event())))
+            results = {name: await wait_finished(redis_client, f"{prefix}-{name}") for name, _, _ in WORKLOAD}
+        finally:
+            for task in schedulers:
+                await kill(task)
+        if interrupt:
+            assert len({plan.scheduler_epoch for plan in worker.plans}) == 2, "both schedulers sent plans"
+        assert worker.errors == []
+    return results
+
+
+async def test_a_restarted_scheduler_finishes_every_request_with_the_same_output(redis_client, settings):
+    uninterrupted = await _run_workload(redis_client, settings, "once", interrupt=False)
+    restarted = await _run_workload(redis_client, settings, "twice", interrupt=True)
+    for name, _, _ in WORKLOAD:
+        assert restarted[name] == uninterrupted[name], f"request {name} differs after the restart"
+    assert "".join(event.text for event in uninterrupted["a"]).endswith("ABC"), "text ends before the stop string"
+    assert (uninterrupted["a"][-1].finish_reason, uninterrupted["a"][-1].completion_tokens) == ("stop", 38)
+    assert uninterrupted["b"][-1].finish_reason == "stop" and uninterrupted["b"][-1].completion_tokens == 4
+    assert uninterrupted["f"][-1].completion_tokens == 55
+
+
+async def test_requests_of_a_dead_worker_finish_on_another_with_the_same_output(redis_client, settings):
+    prompts = {f"cmpl-{index}": tuple(range(30 + index, 40 + index)) for index in range(6)}
+    async with (FakeWorker(settings.redis_url, "w-stays", prompts, step_seconds=0.004) as stays,
+                FakeWorker(settings.redis_url, "w-dies", prompts, step_seconds=0.004) as dies,
+                running_scheduler(settings)):
+        for index, request_id in enumerate(prompts):
+            await submit(redis_client, request_id, prompts[request_id], seed=index * 5, max_tokens=60)
+        await wait_until(lambda: _has_events(redis_client, "cmpl-5", 5), what="tokens before the worker dies")
+        assert any(plan.items for plan in dies.plans), "the dying worker had requests"
+        await dies.kill()
+        for index, request_id in enumerate(prompts):
+            check_stream(request_id, await wait_finished(redis_client, request_id), index * 5, 10, 60, "length")
+        assert await redis_client.sismember(keys.WORKERS_SET, "w-dies") == 0
+        assert stays.errors == [] and dies.errors == []
+
+
+def test_wire_error_is_what_decode_raises():
+    with pytest.raises(WireError):
+        decode(PlanResult, b"\xc1")
