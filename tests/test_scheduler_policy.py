@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import pytest
 
-from services.scheduler.policy import SchedulerPolicy, TokenOutcome
+from services.scheduler.policy import SchedulerPolicy
 from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
 
 EPOCH = "epoch-test"
@@ -138,7 +138,8 @@ def test_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_last_chunk()
     for expected_start, expected_len, expected_sample in [(0, 10, False), (10, 10, False), (20, 5, True)]:
         plan = policy.next_plan("w1")
         (item,) = plan.items
-        assert (item.start_position, len(item.token_ids), item.sample) == (expected_start, expected_len, expected_sample)
+        step = (item.start_position, len(item.token_ids), item.sample)
+        assert step == (expected_start, expected_len, expected_sample)
         assert item.output_index == 0
         fed.extend(item.token_ids)
         outcomes = policy.on_result(answer(plan))
@@ -239,7 +240,8 @@ def test_no_admission_without_kv_room():
 def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
     policy = make_policy()
     policy.worker_up("w1", kv_blocks_total=4, kv_block_size=4)
-    old, young = record("old", prompt_len=7, arrival=0, max_tokens=6), record("young", prompt_len=7, arrival=1, max_tokens=3)
+    old = record("old", prompt_len=7, arrival=0, max_tokens=6)
+    young = record("young", prompt_len=7, arrival=1, max_tokens=3)
     policy.add_request(old)
     policy.add_request(young)
     worker = FakeWorker({"old": old.prompt_token_ids, "young": young.prompt_token_ids})
@@ -312,6 +314,21 @@ def test_worker_down_moves_its_requests_to_another_worker_rebuilt_from_prompt_an
     outputs, reasons, _ = drive(policy, {"w2": w2})
     assert {request_id: len(tokens) for request_id, tokens in outputs.items()} == {"r0": 1, "r1": 1}
     assert reasons == {"r0": "length", "r1": "length"}
+
+
+def test_a_worker_given_up_on_that_comes_back_frees_what_it_held():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("r0", arrival=0, max_tokens=5))
+    policy.on_result(answer(policy.next_plan("w1")))
+    policy.worker_down("w1")  # e.g. its heartbeats were lost while Redis restarted
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    plan = policy.next_plan("w1")
+    assert plan.free_request_ids == ("r0",)
+    assert plan.items == (), "not rebuilt in the plan that frees it"
+    policy.on_result(answer(plan))
+    plan = policy.next_plan("w1")
+    assert [(item.request_id, item.start_position, item.output_index) for item in plan.items] == [("r0", 0, 1)]
 
 
 def test_new_requests_are_spread_over_idle_workers_by_free_kv():
@@ -430,7 +447,8 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
     for worker_id in ("w1", "w2"):
         policy.worker_up(worker_id, kv_blocks_total=12, kv_block_size=4)
     for index in range(20):
-        rec = record(f"r{index}", prompt_len=3 + index % 7, arrival=index, max_tokens=2 + index % 9, first_token=200 + index)
+        rec = record(f"r{index}", prompt_len=3 + index % 7, arrival=index, max_tokens=2 + index % 9,
+                     first_token=200 + index)
         policy.add_request(rec)
         prompts[rec.request_id] = rec.prompt_token_ids
     workers = {"w1": FakeWorker(prompts), "w2": FakeWorker(prompts)}
@@ -439,4 +457,3 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
         assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
         assert reasons[f"r{index}"] == "length"
     assert all(worker.kv_blocks_reserved == 0 for worker in map(policy.worker, ("w1", "w2")))
-    assert isinstance(TokenOutcome, type)

@@ -4,7 +4,11 @@ process only: the scheduler, the policy and the tokenizer are the real ones)."""
 import asyncio
 import contextlib
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -25,6 +29,7 @@ from shared.messages import (
 )
 from shared.redis_connection import connect
 from shared.wire import WireError, decode, encode
+from tests.redis_server import RedisProcess
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,7 +219,8 @@ def check_stream(request_id: str, events: list[TokenEvent], seed: int, prompt_le
 
 
 async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings):
-    prompts = {"cmpl-len": (1, 2, 3), "cmpl-eos": (4, 5), "cmpl-stopstr": (6, 7, 8, 9), "cmpl-long": tuple(range(300, 400))}
+    prompts = {"cmpl-len": (1, 2, 3), "cmpl-eos": (4, 5), "cmpl-stopstr": (6, 7, 8, 9),
+               "cmpl-long": tuple(range(300, 400))}
     async with FakeWorker(settings.redis_url, "w1", prompts) as worker, running_scheduler(settings):
         await submit(redis_client, "cmpl-len", prompts["cmpl-len"], seed=1, max_tokens=5)
         await submit(redis_client, "cmpl-eos", prompts["cmpl-eos"], seed=7, max_tokens=20)
@@ -265,7 +271,8 @@ async def test_malformed_messages_are_skipped(redis_client, settings):
         await redis_client.xadd(keys.NEW_REQUESTS_STREAM, {"m": b"\xc1\xc1"})  # no id field
         await redis_client.xadd(keys.NEW_REQUESTS_STREAM, {"id": b"cmpl-missing"})  # no such request
         await redis_client.xadd(keys.CANCEL_STREAM, {"nothing": b"here"})
-        await redis_client.hset(keys.request_key("cmpl-garbled"), mapping={"record": b"\xc1garbage", "status": "waiting"})
+        await redis_client.hset(keys.request_key("cmpl-garbled"),
+                                mapping={"record": b"\xc1garbage", "status": "waiting"})
         await redis_client.sadd(keys.ACTIVE_REQUESTS_SET, "cmpl-garbled")
         await redis_client.xadd(keys.NEW_REQUESTS_STREAM, {"id": b"cmpl-garbled"})
         await redis_client.set(keys.worker_heartbeat("w-bad"), b"\xc1")
@@ -376,3 +383,55 @@ async def test_requests_of_a_dead_worker_finish_on_another_with_the_same_output(
 def test_wire_error_is_what_decode_raises():
     with pytest.raises(WireError):
         decode(PlanResult, b"\xc1")
+
+
+async def test_the_scheduler_survives_a_redis_restart():
+    server = RedisProcess().start()
+    settings = Settings(redis_url=server.url, heartbeat_seconds=0.1, worker_timeout_seconds=3.0,
+                        scheduler_timeout_seconds=3.0, max_batch_size=8, max_batch_tokens=64)
+    prompts = {"cmpl-before": (1, 2), "cmpl-across": (3, 4), "cmpl-after": (5, 6)}
+    redis = connect(server.url)
+    try:
+        async with FakeWorker(server.url, "w1", prompts, step_seconds=0.01, timeout_ms=3000), \
+                running_scheduler(settings) as task:
+            await submit(redis, "cmpl-before", prompts["cmpl-before"], seed=1, max_tokens=3)
+            check_stream("cmpl-before", await wait_finished(redis, "cmpl-before"), 1, 2, 3, "length")
+            await submit(redis, "cmpl-across", prompts["cmpl-across"], seed=2, max_tokens=150)
+            await wait_until(lambda: _has_events(redis, "cmpl-across", 5), what="tokens before the restart")
+            server.stop()  # SIGTERM: Redis writes its append-only file and exits
+            await asyncio.sleep(0.3)
+            server.start()
+            await submit(redis, "cmpl-after", prompts["cmpl-after"], seed=3, max_tokens=4)
+            check_stream("cmpl-after", await wait_finished(redis, "cmpl-after"), 3, 2, 4, "length")
+            check_stream("cmpl-across", await wait_finished(redis, "cmpl-across"), 2, 2, 150, "length")
+            assert not task.done()
+    finally:
+        await redis.aclose()
+        server.stop()
+        shutil.rmtree(server.data_dir, ignore_errors=True)
+
+
+def test_python_m_services_scheduler_stops_cleanly_on_sigterm(redis_url):
+    import redis as sync_redis
+
+    client = sync_redis.Redis.from_url(redis_url)
+    client.delete(keys.SCHEDULER_HEARTBEAT)
+    environment = {**os.environ, "REDIS_URL": redis_url, "ITERSERVE_HEARTBEAT_SECONDS": "0.1"}
+    process = subprocess.Popen([sys.executable, "-m", "services.scheduler"], env=environment,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while client.get(keys.SCHEDULER_HEARTBEAT) is None:
+            assert process.poll() is None, f"the scheduler exited: {process.communicate()[0]}"
+            assert time.monotonic() < deadline, "no scheduler heartbeat"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=15)
+        assert process.returncode == 0, output
+        assert "scheduler_stopped" in output
+        assert client.get(keys.SCHEDULER_HEARTBEAT) is None, "a clean stop takes the heartbeat down"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        client.close()

@@ -76,7 +76,9 @@ class GenerationParams(StrictBody):
     @classmethod
     def only_one_choice(cls, n: int | None) -> int | None:
         if n is not None and n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns exactly one choice (n=1); send separate requests")
+            raise ValueError(
+                f"n={n} is not supported: this server returns exactly one choice (n=1); send separate requests"
+            )
         return n
 
     @field_validator("stop")

@@ -10,12 +10,13 @@ import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.gateway import store
 from services.gateway.errors import ApiError, ServiceUnavailable, error_body, unknown_request
 from services.gateway.generation import create_chat_completion, create_completion, reattach_stream
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.state import ANSWER, ENDPOINT, STATE, GatewayState
+from services.gateway.store import Store
 from shared.config import Settings
 from shared.messages import SchedulerInfo
 from shared.model_file import load_metadata
@@ -63,14 +64,14 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
 
 
 async def _open_redis(app: web.Application) -> None:
-    app[STATE].redis = connect(app[STATE].settings.redis_url)
+    app[STATE].store = Store(connect(app[STATE].settings.redis_url))
 
 
 async def _close_redis(app: web.Application) -> None:
     state = app[STATE]
     await state.drain_background()  # cancellations sent by handlers cut off at shutdown
-    if state.redis is not None:
-        await state.redis.aclose()
+    if state.store is not None:
+        await state.store.aclose()
 
 
 @web.middleware
@@ -90,7 +91,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         log.exception("unexpected error method=%s path=%s", request.method, request.path)
         response = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error").response()
     _count_refusal(request, response.status)
-    log.info("refused status=%d method=%s path=%s body=%s", response.status, request.method, request.path, response.text)
+    log.info("refused status=%d %s %s error=%s", response.status, request.method, request.path, response.text)
     return response
 
 
@@ -99,7 +100,8 @@ def _http_error(request: web.Request, error: web.HTTPException) -> web.Response:
     headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
     if isinstance(error, web.HTTPRequestEntityTooLarge):
         limit = request.app[STATE].settings.max_body_bytes
-        body = error_body(f"request body too large: the limit is {limit} bytes", "invalid_request_error", None, "request_too_large")
+        message = f"request body too large: the limit is {limit} bytes"
+        body = error_body(message, "invalid_request_error", None, "request_too_large")
     elif isinstance(error, web.HTTPNotFound):
         body = error_body(f"Invalid URL ({request.method} {request.path})", "invalid_request_error")
     elif isinstance(error, web.HTTPMethodNotAllowed):
@@ -145,7 +147,7 @@ async def get_model(request: web.Request) -> web.Response:
 async def get_request(request: web.Request) -> web.Response:
     state = request.app[STATE]
     request_id = request.match_info["request_id"]
-    request_state = await store.request_state(state.redis, request_id)
+    request_state = await state.store.request_state(request_id)
     if request_state is None:
         raise unknown_request(request_id)
     record = request_state.record
@@ -159,7 +161,7 @@ async def get_request(request: web.Request) -> web.Response:
             "model": state.model_name,
             "prompt_tokens": len(record.prompt_token_ids) if record else None,
             "max_tokens": record.sampling.max_tokens if record else None,
-            "token_events": await store.token_event_count(state.redis, request_id),  # output entries so far
+            "token_events": await state.store.token_event_count(request_id),  # output entries so far
         }
     )
 
@@ -168,12 +170,12 @@ async def cancel_request(request: web.Request) -> web.Response:
     """DELETE /v1/requests/{id}: harmless on a request that already ended (cancelled: false)."""
     state = request.app[STATE]
     request_id = request.match_info["request_id"]
-    request_state = await store.request_state(state.redis, request_id)
+    request_state = await state.store.request_state(request_id)
     if request_state is None:
         raise unknown_request(request_id)
     cancelled = not request_state.terminal
     if cancelled:
-        await store.cancel(state.redis, request_id)
+        await state.store.cancel(request_id)
     log.info("cancel requested id=%s status=%s cancel_sent=%s", request_id, request_state.status, cancelled)
     return web.json_response(
         {"id": request_id, "object": "request.cancel", "status": request_state.status, "cancelled": cancelled}
@@ -197,10 +199,10 @@ async def health(request: web.Request) -> web.Response:
     """200 only when Redis, the scheduler and at least one worker are alive and requests move."""
     state = request.app[STATE]
     unavailable = {"status": "unavailable"}
-    if not await store.ping(state.redis, HEALTH_TIMEOUT_SECONDS):
+    if not await state.store.ping(HEALTH_TIMEOUT_SECONDS):
         return web.json_response({**unavailable, "missing": ["redis"]}, status=503)
     try:
-        view = await store.cluster_view(state.redis, HEALTH_TIMEOUT_SECONDS)
+        view = await state.store.cluster_view(HEALTH_TIMEOUT_SECONDS)
     except ServiceUnavailable:
         return web.json_response({**unavailable, "missing": ["redis"]}, status=503)
     missing = []
@@ -228,7 +230,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    view = await store.cluster_view(request.app[STATE].redis)
+    view = await request.app[STATE].store.cluster_view()
     scheduler = view.scheduler
     return web.json_response(
         {
@@ -257,11 +259,11 @@ async def status(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
-        view = await store.cluster_view(state.redis, METRICS_TIMEOUT_SECONDS)
+        view = await state.store.cluster_view(METRICS_TIMEOUT_SECONDS)
     except ServiceUnavailable:
         view = None
     state.metrics.observe_cluster(view)
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
@@ -274,7 +276,7 @@ async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = Non
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("gateway listening on %s model=%s redis=%s", runner.addresses, app[STATE].model_name, settings.redis_url)
+        log.info("gateway listening on %s model=%s", runner.addresses, app[STATE].model_name)
         await (stop_event or asyncio.Event()).wait()
         log.info("gateway stopping")
     finally:

@@ -49,7 +49,8 @@ def unknown_model(model: str, served: str) -> ApiError:
 
 
 def unknown_request(request_id: str) -> ApiError:
-    return ApiError(404, f"No request with id `{request_id}` (unknown or expired).", param="id", code="request_not_found")
+    message = f"No request with id `{request_id}` (unknown or expired)."
+    return ApiError(404, message, param="id", code="request_not_found")
 
 
 class ServiceUnavailable(ApiError):

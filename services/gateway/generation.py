@@ -13,7 +13,6 @@ from contextlib import aclosing
 from aiohttp import web
 from jinja2 import TemplateError
 
-from services.gateway import store
 from services.gateway.api_models import GenerationParams, parse_body
 from services.gateway.errors import ApiError, bad_request, unknown_model, unknown_request
 from services.gateway.responses import (
@@ -64,7 +63,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     record = RequestRecord(
         request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time
     )
-    await store.submit(state.redis, record)
+    await state.store.submit(record)
     log.info(
         "accepted id=%s endpoint=%s prompt_tokens=%d max_tokens=%d stream=%s temperature=%s seed=%d",
         request_id, endpoint.name, len(prompt_token_ids), max_tokens, bool(params.stream),
@@ -96,7 +95,8 @@ async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: Gener
         token_ids = list(params.prompt)
         bad = next((token_id for token_id in token_ids if not 0 <= token_id < tokenizer.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is out of the vocabulary (0..{tokenizer.vocab_size - 1})", param="prompt")
+            message = f"token id {bad} is out of the vocabulary (0..{tokenizer.vocab_size - 1})"
+            raise bad_request(message, param="prompt")
         work = None
     try:
         if work is not None:
@@ -146,7 +146,8 @@ class Answer:
         start_index: int = 0,
     ) -> None:
         self.state, self.endpoint, self.request_id = state, endpoint, request_id
-        self.created, self.prompt_tokens, self.started, self.start_index = created, prompt_tokens, started, start_index
+        self.created, self.prompt_tokens = created, prompt_tokens
+        self.started, self.start_index = started, start_index
         self.pieces: list[str] = []
         self.tokens_seen = 0
         self.first_token_at: float | None = None
@@ -182,7 +183,8 @@ class Answer:
             metrics.completion_tokens.inc(completion_tokens)
             metrics.e2e_latency.observe(time.monotonic() - self.started)
             if self.tokens_seen > 1:
-                metrics.time_per_output_token.observe((self.last_token_at - self.first_token_at) / (self.tokens_seen - 1))
+                decode_seconds = self.last_token_at - self.first_token_at
+                metrics.time_per_output_token.observe(decode_seconds / (self.tokens_seen - 1))
         log.info(
             "finished id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
             self.request_id, event.finish_reason, prompt_tokens, completion_tokens,
@@ -198,6 +200,11 @@ class Answer:
         self.count_outcome("client_disconnected")
         if cancel:
             self.state.cancel_in_background(self.request_id, "client disconnected")
+
+    def abandon(self, reason: str) -> None:
+        """The gateway answers with an error before the final token: nobody will read the rest."""
+        if not self.finished and self.started is not None:
+            self.state.cancel_in_background(self.request_id, reason)
 
     @property
     def text(self) -> str:
@@ -218,6 +225,9 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
     except asyncio.CancelledError:
         answer.client_gone(cancel=True)
         raise
+    except ApiError as error:  # Redis gone for too long
+        answer.abandon(error.message)
+        raise
     token_usage = answer.finish(event)
     if event.finish_reason == "error":
         raise request_failed(answer.request_id)
@@ -230,7 +240,7 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
 
 async def _final_event(request: web.Request, answer: Answer) -> TokenEvent:
     """Collect the output into `answer` until the final event, which it returns."""
-    async with aclosing(store.follow_tokens(answer.state.redis, answer.request_id)) as events:
+    async with aclosing(answer.state.store.follow_tokens(answer.request_id)) as events:
         async for event in events:
             if event is None:
                 if transport_closed(request):
@@ -267,9 +277,11 @@ async def stream_answer(
         raise
     except ApiError as error:  # Redis gone for too long: the headers are sent, so tell the client in-band
         log.warning("stream aborted id=%s error=%s", answer.request_id, error.message)
+        answer.abandon(error.message)
         await _write_quietly(response, sse(error.body()) + DONE_EVENT)
     except Exception:
         log.exception("stream failed id=%s", answer.request_id)
+        answer.abandon("internal error")
         body = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error").body()
         await _write_quietly(response, sse(body) + DONE_EVENT)
     return response
@@ -282,7 +294,7 @@ async def _stream_events(
     if answer.endpoint.is_chat:
         await response.write(chunks.role())
     last_write = time.monotonic()
-    async with aclosing(store.follow_tokens(answer.state.redis, answer.request_id, answer.start_index)) as events:
+    async with aclosing(answer.state.store.follow_tokens(answer.request_id, answer.start_index)) as events:
         async for event in events:
             if event is None:
                 if transport_closed(request):
@@ -333,7 +345,7 @@ async def reattach_stream(request: web.Request) -> web.StreamResponse:
     if start_index < 0:
         raise bad_request("`from` must be >= 0", param="from")
     include_usage = request.query.get("include_usage", "false").lower() in ("1", "true", "yes")
-    request_state = await store.request_state(state.redis, request_id)
+    request_state = await state.store.request_state(request_id)
     if request_state is None:
         raise unknown_request(request_id)
     record = request_state.record

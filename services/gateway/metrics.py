@@ -10,45 +10,46 @@ TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "iterserve_gateway_requests",
-            "Generation requests by endpoint and outcome: a finish reason, client_disconnected, or an HTTP error status",
+            "Generation requests by outcome: a finish reason, client_disconnected, or an HTTP error status",
             ["endpoint", "outcome"],
-            registry=self.registry,
+            registry=registry,
         )
-        self.prompt_tokens = Counter("iterserve_gateway_prompt_tokens", "Prompt tokens accepted", registry=self.registry)
+        self.prompt_tokens = Counter("iterserve_gateway_prompt_tokens", "Prompt tokens accepted", registry=registry)
         self.completion_tokens = Counter(
-            "iterserve_gateway_completion_tokens", "Output tokens delivered", registry=self.registry
+            "iterserve_gateway_completion_tokens", "Output tokens delivered", registry=registry
         )
         self.time_to_first_token = Histogram(
             "iterserve_gateway_time_to_first_token_seconds",
             "From request arrival to its first output token",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.time_per_output_token = Histogram(
             "iterserve_gateway_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request",
             buckets=TOKEN_TIME_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.e2e_latency = Histogram(
             "iterserve_gateway_e2e_request_latency_seconds",
             "From request arrival to its final token",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.in_flight = Gauge(
-            "iterserve_gateway_requests_in_flight", "Generation requests this gateway is answering", registry=self.registry
+            "iterserve_gateway_requests_in_flight", "Generation requests this gateway is answering", registry=registry
         )
-        self.waiting = Gauge("iterserve_scheduler_waiting_requests", "Requests waiting (scheduler heartbeat)", registry=self.registry)
-        self.running = Gauge("iterserve_scheduler_running_requests", "Requests running (scheduler heartbeat)", registry=self.registry)
-        self.live_workers = Gauge("iterserve_live_workers", "Workers whose heartbeat key exists", registry=self.registry)
+        # Read from the heartbeat keys at each scrape.
+        self.waiting = Gauge("iterserve_scheduler_waiting_requests", "Requests waiting", registry=registry)
+        self.running = Gauge("iterserve_scheduler_running_requests", "Requests running", registry=registry)
+        self.live_workers = Gauge("iterserve_live_workers", "Workers whose heartbeat key exists", registry=registry)
         self.kv_blocks_free = Gauge(
-            "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=self.registry
+            "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=registry
         )
-        self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=self.registry)
+        self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=registry)
 
     def observe_cluster(self, view: ClusterView | None) -> None:
         """Refresh the gauges read from heartbeat keys (None: Redis did not answer)."""

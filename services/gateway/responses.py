@@ -24,8 +24,12 @@ class Endpoint:
         return f"{self.id_prefix}{secrets.token_hex(16)}"
 
 
-COMPLETIONS = Endpoint("completions", CompletionRequest, "cmpl-", "text_completion", "text_completion", "prompt", False)
-CHAT = Endpoint("chat", ChatCompletionRequest, "chatcmpl-", "chat.completion", "chat.completion.chunk", "messages", True)
+COMPLETIONS = Endpoint(
+    "completions", CompletionRequest, "cmpl-", "text_completion", "text_completion", "prompt", is_chat=False
+)
+CHAT = Endpoint(
+    "chat", ChatCompletionRequest, "chatcmpl-", "chat.completion", "chat.completion.chunk", "messages", is_chat=True
+)
 
 
 def endpoint_of(request_id: str) -> Endpoint:
@@ -44,7 +48,8 @@ def final_body(
     endpoint: Endpoint, request_id: str, created: int, model: str, text: str, finish_reason: str, token_usage: dict
 ) -> dict:
     if endpoint.is_chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     return {
@@ -73,7 +78,8 @@ class ChunkWriter:
 
     def role(self) -> bytes:
         """The first chat chunk: it names the role, as OpenAI's does."""
-        return self._event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        delta = {"role": "assistant", "content": ""}
+        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def text(self, text: str, finish_reason: str | None = None) -> bytes:
         if self.endpoint.is_chat:

@@ -5,10 +5,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import redis.asyncio as aioredis
 from aiohttp import web
 
-from services.gateway import store
+from services.gateway.store import Store
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
 from shared.config import Settings
@@ -29,7 +28,7 @@ class GatewayState:
     context_length: int
     metrics: GatewayMetrics
     started_at: int  # unix seconds: the model's `created`
-    redis: aioredis.Redis | None = None  # opened on app startup
+    store: Store | None = None  # opened on app startup
     background: set[asyncio.Task] = field(default_factory=set)
 
     def cancel_in_background(self, request_id: str, reason: str) -> None:
@@ -40,11 +39,11 @@ class GatewayState:
 
     async def _cancel_unless_finished(self, request_id: str, reason: str) -> None:
         try:
-            request_state = await store.request_state(self.redis, request_id)
+            request_state = await self.store.request_state(request_id)
             if request_state is not None and request_state.terminal:
                 log.info("not cancelling id=%s status=%s reason=%s", request_id, request_state.status, reason)
                 return
-            await store.cancel(self.redis, request_id)
+            await self.store.cancel(request_id)
             log.info("cancel sent id=%s reason=%s", request_id, reason)
         except ApiError as error:
             log.warning("cancel failed id=%s reason=%s error=%s", request_id, reason, error.message)

@@ -2,14 +2,20 @@
 
 Every call is bounded: a Redis that is down or restarting makes a call fail with
 ServiceUnavailable (HTTP 503) after REDIS_TIMEOUT_SECONDS instead of hanging the client.
+
+No Redis command is ever cancelled: redis-py 8's asyncio client can swallow a cancellation that
+lands mid-read (it turns it into a retried ConnectionError), leaving the task hung for good.
+So each command runs in its own task; a caller that times out, or whose handler aiohttp
+cancels because the client left, stops waiting and the command finishes on its own (an XREAD
+within BLOCK_MS).
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -32,30 +38,6 @@ STATUS_FINISH_REASON = {"finished": "stop", "cancelled": "cancelled", "failed": 
 T = TypeVar("T")
 
 
-async def bounded(call: Awaitable[T], timeout: float = REDIS_TIMEOUT_SECONDS) -> T:
-    """The call's result, or ServiceUnavailable when Redis errs or does not answer in time."""
-    try:
-        return await asyncio.wait_for(call, timeout)
-    except (RedisError, OSError) as error:
-        raise ServiceUnavailable(f"redis: {type(error).__name__}") from error
-    except TimeoutError as error:
-        raise ServiceUnavailable("redis did not answer in time") from error
-
-
-async def submit(redis: aioredis.Redis, record: RequestRecord) -> None:
-    """Accept a request: record, active set and new-request stream in one MULTI/EXEC."""
-    request_id = record.request_id
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.request_key(request_id), mapping={"record": encode(record), "status": "waiting"})
-        pipe.sadd(keys.ACTIVE_REQUESTS_SET, request_id)
-        pipe.xadd(keys.NEW_REQUESTS_STREAM, {"id": request_id})
-        await bounded(pipe.execute())
-
-
-async def cancel(redis: aioredis.Redis, request_id: str) -> None:
-    await bounded(redis.xadd(keys.CANCEL_STREAM, {"id": request_id}))
-
-
 @dataclass(frozen=True)
 class RequestState:
     status: str
@@ -65,106 +47,6 @@ class RequestState:
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
-
-
-async def request_state(redis: aioredis.Redis, request_id: str) -> RequestState | None:
-    """The request's status and record, or None when the request is unknown (or expired)."""
-    raw = await bounded(redis.hgetall(keys.request_key(request_id)))
-    if not raw:
-        return None
-    record = None
-    if b"record" in raw:
-        try:
-            record = decode(RequestRecord, raw[b"record"])
-        except WireError as error:
-            log.warning("bad record id=%s error=%s", request_id, error)
-    finish_reason = raw.get(b"finish_reason")
-    return RequestState(
-        status=raw.get(b"status", b"waiting").decode(errors="replace"),
-        finish_reason=finish_reason.decode(errors="replace") if finish_reason else None,
-        record=record,
-    )
-
-
-async def token_event_count(redis: aioredis.Redis, request_id: str) -> int:
-    return await bounded(redis.xlen(keys.token_stream(request_id)))
-
-
-async def follow_tokens(
-    redis: aioredis.Redis, request_id: str, start_index: int = 0
-) -> AsyncIterator[TokenEvent | None]:
-    """Each TokenEvent from output index start_index on, ending with the final one.
-
-    Yields None after every idle wait (about BLOCK_MS) so the caller can check on its client.
-    When the request ended without a final event (its status is terminal, or its key is gone),
-    yields a synthesized final event with token_id -1.
-    """
-    stream = keys.token_stream(request_id)
-    last_entry_id: bytes | str = "0-0"
-    idle_waits = 0
-    outage_since: float | None = None
-    while True:
-        try:
-            reply = await bounded(
-                redis.xread({stream: last_entry_id}, count=READ_COUNT, block=BLOCK_MS),
-                BLOCK_MS / 1000 + REDIS_TIMEOUT_SECONDS,
-            )
-            outage_since = None
-        except ServiceUnavailable:
-            outage_since = outage_since or time.monotonic()
-            if time.monotonic() - outage_since > OUTAGE_SECONDS:
-                raise
-            log.warning("redis unreachable while following id=%s, retrying", request_id)
-            await asyncio.sleep(0.2)
-            yield None
-            continue
-        entries = reply[0][1] if reply else []
-        if not entries:
-            idle_waits += 1
-            if idle_waits % STATUS_CHECK_EVERY == 0:
-                final = await _final_without_event(redis, request_id, stream, last_entry_id)
-                if final is not None:
-                    yield final
-                    return
-            yield None
-            continue
-        idle_waits = 0
-        for entry_id, fields in entries:
-            last_entry_id = entry_id
-            event = _decode_event(request_id, fields)
-            if event is None or (event.index < start_index and event.finish_reason is None):
-                continue
-            yield event
-            if event.finish_reason is not None:
-                return
-
-
-async def _final_without_event(
-    redis: aioredis.Redis, request_id: str, stream: str, last_entry_id: bytes | str
-) -> TokenEvent | None:
-    """A final event standing in for one that will never come, or None while the request lives."""
-    state = await request_state(redis, request_id)
-    if state is not None and not state.terminal:
-        return None
-    # The scheduler may set the status just before it appends the final event: look once more.
-    reply = await bounded(redis.xread({stream: last_entry_id}, count=READ_COUNT))
-    if reply and reply[0][1]:
-        return None  # more events arrived: the follower reads them next
-    if state is None:
-        log.warning("request vanished id=%s", request_id)
-        reason = "error"
-    else:
-        reason = state.finish_reason or STATUS_FINISH_REASON.get(state.status, "error")
-        log.warning("request ended without a final event id=%s status=%s", request_id, state.status)
-    return TokenEvent(index=-1, token_id=-1, text="", finish_reason=reason)
-
-
-def _decode_event(request_id: str, fields: dict) -> TokenEvent | None:
-    try:
-        return decode(TokenEvent, fields[b"m"])
-    except (KeyError, WireError) as error:
-        log.warning("skipping malformed token event id=%s error=%s", request_id, error)
-        return None
 
 
 @dataclass(frozen=True)
@@ -179,35 +61,217 @@ class ClusterView:
     active_requests: int
 
 
-async def cluster_view(redis: aioredis.Redis, timeout: float = REDIS_TIMEOUT_SECONDS) -> ClusterView:
-    async def read() -> ClusterView:
-        scheduler_raw, members, active_requests = await asyncio.gather(
-            redis.get(keys.SCHEDULER_HEARTBEAT), redis.smembers(keys.WORKERS_SET), redis.scard(keys.ACTIVE_REQUESTS_SET)
+class Store:
+    """The gateway's Redis client with every call bounded and none ever cancelled."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._calls: set[asyncio.Task] = set()
+
+    async def _call(
+        self,
+        call: Coroutine[Any, Any, T],
+        timeout: float = REDIS_TIMEOUT_SECONDS,
+        on_late_success: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> T:
+        """The call's result, or ServiceUnavailable when Redis errs or does not answer in time.
+
+        on_late_success runs (in the background) when the caller stopped waiting, by timeout or
+        cancellation, and the command then succeeded anyway.
+        """
+        task = asyncio.ensure_future(call)
+        self._track(task)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)  # a cancelled caller leaves the task running
+        finally:
+            if on_late_success is not None and not task.done():
+                task.add_done_callback(lambda finished: self._after_late_success(finished, on_late_success))
+        if not done:
+            raise ServiceUnavailable("redis did not answer in time")
+        try:
+            return task.result()
+        except (RedisError, OSError) as error:
+            raise ServiceUnavailable(f"redis: {type(error).__name__}") from error
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        task.add_done_callback(_settle)
+
+    def _after_late_success(self, task: asyncio.Task, then: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._track(asyncio.ensure_future(then()))
+
+    async def aclose(self) -> None:
+        """Let abandoned commands finish (an XREAD ends within BLOCK_MS), then close the client."""
+        if self._calls:
+            await asyncio.wait(list(self._calls), timeout=BLOCK_MS / 1000 + 1)
+        await self.redis.aclose()
+
+    async def submit(self, record: RequestRecord) -> None:
+        """Accept a request: record, active set and new-request stream in one MULTI/EXEC.
+
+        When the caller gives up first (its client left, or Redis was too slow) and the
+        transaction commits anyway, the request is cancelled at once: nobody waits for it.
+        """
+        request_id = record.request_id
+
+        async def transaction() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(keys.request_key(request_id), mapping={"record": encode(record), "status": "waiting"})
+                pipe.sadd(keys.ACTIVE_REQUESTS_SET, request_id)
+                pipe.xadd(keys.NEW_REQUESTS_STREAM, {"id": request_id})
+                await pipe.execute()
+
+        async def cancel_orphan() -> None:
+            log.info("accepted after its caller left, cancelling id=%s", request_id)
+            try:
+                await self.cancel(request_id)
+            except ServiceUnavailable as error:
+                log.warning("cancel failed id=%s error=%s", request_id, error.message)
+
+        await self._call(transaction(), on_late_success=cancel_orphan)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._call(self.redis.xadd(keys.CANCEL_STREAM, {"id": request_id}))
+
+    async def request_state(self, request_id: str) -> RequestState | None:
+        """The request's status and record, or None when the request is unknown (or expired)."""
+        raw = await self._call(self.redis.hgetall(keys.request_key(request_id)))
+        if not raw:
+            return None
+        record = None
+        if b"record" in raw:
+            try:
+                record = decode(RequestRecord, raw[b"record"])
+            except WireError as error:
+                log.warning("bad record id=%s error=%s", request_id, error)
+        finish_reason = raw.get(b"finish_reason")
+        return RequestState(
+            status=raw.get(b"status", b"waiting").decode(errors="replace"),
+            finish_reason=finish_reason.decode(errors="replace") if finish_reason else None,
+            record=record,
         )
-        registered = sorted(member.decode(errors="replace") for member in members)
-        values = await redis.mget([keys.worker_heartbeat(worker_id) for worker_id in registered]) if registered else []
-        workers, live = [], []
-        for worker_id, value in zip(registered, values, strict=True):
-            if value is None:
+
+    async def token_event_count(self, request_id: str) -> int:
+        return await self._call(self.redis.xlen(keys.token_stream(request_id)))
+
+    async def follow_tokens(self, request_id: str, start_index: int = 0) -> AsyncIterator[TokenEvent | None]:
+        """Each TokenEvent from output index start_index on, ending with the final one.
+
+        Yields None after every idle wait (about BLOCK_MS) so the caller can check on its client.
+        When the request ended without a final event (its status is terminal, or its key is gone),
+        yields a synthesized final event with token_id -1. Rides out a Redis outage of up to
+        OUTAGE_SECONDS, then raises ServiceUnavailable.
+        """
+        stream = keys.token_stream(request_id)
+        last_entry_id: bytes | str = "0-0"
+        idle_waits = 0
+        outage_since: float | None = None
+        while True:
+            try:
+                reply = await self._call(
+                    self.redis.xread({stream: last_entry_id}, count=READ_COUNT, block=BLOCK_MS),
+                    BLOCK_MS / 1000 + REDIS_TIMEOUT_SECONDS,
+                )
+                outage_since = None
+            except ServiceUnavailable:
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > OUTAGE_SECONDS:
+                    raise
+                log.warning("redis unreachable while following id=%s, retrying", request_id)
+                await asyncio.sleep(0.2)
+                yield None
                 continue
-            live.append(worker_id)
-            try:
-                workers.append(decode(WorkerInfo, value))
-            except WireError as error:
-                log.warning("bad worker heartbeat worker=%s error=%s", worker_id, error)
-        scheduler = None
-        if scheduler_raw is not None:
-            try:
-                scheduler = decode(SchedulerInfo, scheduler_raw)
-            except WireError as error:
-                log.warning("bad scheduler heartbeat error=%s", error)
-        return ClusterView(scheduler, scheduler_raw is not None, workers, live, registered, active_requests)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                idle_waits += 1
+                if idle_waits % STATUS_CHECK_EVERY == 0:
+                    final = await self._final_without_event(request_id, stream, last_entry_id)
+                    if final is not None:
+                        yield final
+                        return
+                yield None
+                continue
+            idle_waits = 0
+            for entry_id, fields in entries:
+                last_entry_id = entry_id
+                event = _decode_event(request_id, fields)
+                if event is None:
+                    continue
+                if event.index < start_index and event.token_id >= 0:
+                    if event.finish_reason is None:
+                        continue
+                    event = event.model_copy(update={"text": ""})  # the reader has this token's text already
+                yield event
+                if event.finish_reason is not None:
+                    return
 
-    return await bounded(read(), timeout)
+    async def _final_without_event(
+        self, request_id: str, stream: str, last_entry_id: bytes | str
+    ) -> TokenEvent | None:
+        """A final event standing in for one that will never come, or None while the request lives."""
+        state = await self.request_state(request_id)
+        if state is not None and not state.terminal:
+            return None
+        # The scheduler may set the status just before it appends the final event: look once more.
+        reply = await self._call(self.redis.xread({stream: last_entry_id}, count=READ_COUNT))
+        if reply and reply[0][1]:
+            return None  # more events arrived: the follower reads them next
+        if state is None:
+            log.warning("request vanished id=%s", request_id)
+            reason = "error"
+        else:
+            reason = state.finish_reason or STATUS_FINISH_REASON.get(state.status, "error")
+            log.warning("request ended without a final event id=%s status=%s", request_id, state.status)
+        return TokenEvent(index=-1, token_id=-1, text="", finish_reason=reason)
+
+    async def cluster_view(self, timeout: float = REDIS_TIMEOUT_SECONDS) -> ClusterView:
+        async def read() -> ClusterView:
+            redis = self.redis
+            scheduler_raw, members, active_requests = await asyncio.gather(
+                redis.get(keys.SCHEDULER_HEARTBEAT),
+                redis.smembers(keys.WORKERS_SET),
+                redis.scard(keys.ACTIVE_REQUESTS_SET),
+            )
+            registered = sorted(member.decode(errors="replace") for member in members)
+            heartbeat_keys = [keys.worker_heartbeat(worker_id) for worker_id in registered]
+            values = await redis.mget(heartbeat_keys) if registered else []
+            workers, live = [], []
+            for worker_id, value in zip(registered, values, strict=True):
+                if value is None:
+                    continue
+                live.append(worker_id)
+                try:
+                    workers.append(decode(WorkerInfo, value))
+                except WireError as error:
+                    log.warning("bad worker heartbeat worker=%s error=%s", worker_id, error)
+            scheduler = None
+            if scheduler_raw is not None:
+                try:
+                    scheduler = decode(SchedulerInfo, scheduler_raw)
+                except WireError as error:
+                    log.warning("bad scheduler heartbeat error=%s", error)
+            return ClusterView(scheduler, scheduler_raw is not None, workers, live, registered, active_requests)
+
+        return await self._call(read(), timeout)
+
+    async def ping(self, timeout: float) -> bool:
+        try:
+            return bool(await self._call(self.redis.ping(), timeout))
+        except ServiceUnavailable:
+            return False
 
 
-async def ping(redis: aioredis.Redis, timeout: float) -> bool:
+def _settle(task: asyncio.Task) -> None:
+    """Retrieve an abandoned command's outcome so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _decode_event(request_id: str, fields: dict) -> TokenEvent | None:
     try:
-        return bool(await bounded(redis.ping(), timeout))
-    except ServiceUnavailable:
-        return False
+        return decode(TokenEvent, fields[b"m"])
+    except (KeyError, WireError) as error:
+        log.warning("skipping malformed token event id=%s error=%s", request_id, error)
+        return None

@@ -102,6 +102,7 @@ class SchedulerPolicy:
         self._drafts: list[_RecordDraft] = []
         self._latest_draft: dict[str, _RecordDraft] = {}
         self._finished_without_token: list[RequestState] = []
+        self._held_when_lost: dict[str, set[str]] = {}  # worker id -> requests it held when it went down
 
     # The pool of requests
 
@@ -126,8 +127,6 @@ class SchedulerPolicy:
         if reason is not None:
             state.status, state.finish_reason = status_for(reason), reason
             self._finished_without_token.append(state)
-            log.info("finished request_id=%s reason=%s at_add output_tokens=%d",
-                     state.request_id, reason, len(state.output_token_ids))
             return state
         self._requests[state.request_id] = state
         self._enqueue(state)
@@ -196,7 +195,11 @@ class SchedulerPolicy:
             if (worker.kv_blocks_total, worker.kv_block_size) == (kv_blocks_total, kv_block_size):
                 return
             self.worker_down(worker_id)  # a different cache: a different worker under the same name
-        self._workers[worker_id] = WorkerState(worker_id, kv_blocks_total, kv_block_size)
+        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size)
+        # Back after being given up on (e.g. heartbeats lost in a Redis outage), it may still hold
+        # KV of requests that moved on: its first plan frees them (harmless if it restarted empty).
+        worker.to_free.update(dict.fromkeys(sorted(self._held_when_lost.pop(worker_id, ()))))
+        self._workers[worker_id] = worker
         log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d",
                  worker_id, kv_blocks_total, kv_block_size)
 
@@ -208,6 +211,7 @@ class SchedulerPolicy:
         moved = list(worker.running)
         for state in list(worker.running.values()):
             self._requeue(worker, state)
+        self._held_when_lost[worker_id] = set(moved) | set(worker.to_free)
         self._latest_draft.pop(worker_id, None)
         log.info("worker_down worker_id=%s requeued=%d abandoned_plan=%s", worker_id, len(moved),
                  worker.in_flight.plan.plan_id if worker.in_flight else None)

@@ -137,7 +137,12 @@ class SchedulerService:
     async def run(self, stop_event: asyncio.Event) -> None:
         log.info("scheduler_started epoch=%s policy=%s pid=%d", self.epoch, self.settings.policy, os.getpid())
         backoff = BACKOFF_START_SECONDS
+        task = asyncio.current_task()
         while not stop_event.is_set():
+            if task is not None and task.cancelling():
+                # A cancel swallowed below us (redis-py sends with asyncio.wait_for, which before
+                # Python 3.12 can drop a cancel that arrives as the send completes): honour it.
+                raise asyncio.CancelledError
             try:
                 if not self._loaded:
                     await self.load_state()
@@ -453,7 +458,8 @@ class SchedulerService:
 
     def _write_end(self, request_id: str, reason: FinishReason, completion_tokens: int) -> None:
         ttl = self.settings.request_ttl_seconds
-        self._queue("hset", keys.request_key(request_id), mapping={"status": status_for(reason), "finish_reason": reason})
+        self._queue("hset", keys.request_key(request_id),
+                    mapping={"status": status_for(reason), "finish_reason": reason})
         self._queue("srem", keys.ACTIVE_REQUESTS_SET, request_id)
         self._queue("expire", keys.request_key(request_id), ttl)
         self._queue("expire", keys.token_stream(request_id), ttl)

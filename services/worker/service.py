@@ -101,10 +101,11 @@ class Worker:
         finally:
             heartbeat.cancel()
             self.draining = True
-            try:
-                await self.redis.delete(keys.worker_heartbeat(self.worker_id))
-                await self.redis.srem(keys.WORKERS_SET, self.worker_id)
-            except RECONNECT_ERRORS:
+            try:  # deregister at once rather than let the heartbeat expire; Redis may be gone
+                async with asyncio.timeout(2):
+                    await self.redis.delete(keys.worker_heartbeat(self.worker_id))
+                    await self.redis.srem(keys.WORKERS_SET, self.worker_id)
+            except (TimeoutError, *RECONNECT_ERRORS):
                 pass
             await self.redis.aclose()
 

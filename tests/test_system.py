@@ -1,0 +1,233 @@
+"""The whole system as users run it: `iterserve up`, real processes, real Redis, real model."""
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import msgpack
+import openai
+import psutil
+import pytest
+import redis
+
+from shared import keys
+from shared.messages import IterationRecord
+from tests.system import System
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def system():
+    with System(workers=2) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(system):
+    return openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine_alone():
+    """The oracle for the system: the same engine, in this process, one request at a time."""
+    import torch
+
+    from services.worker.engine import Engine
+    from shared.config import Settings
+
+    torch.set_num_threads(1)
+    return Engine.from_settings(Settings(kv_blocks=64, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.tokenizer import Tokenizer
+
+    return Tokenizer.load()
+
+
+def engine_greedy_text(engine, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+    from tests.engine_helpers import generate_alone
+
+    output = generate_alone(engine, "oracle", prompt_ids, max_tokens, stop_ids=tokenizer.stop_token_ids)
+    finish_reason = "stop" if output[-1] in tokenizer.stop_token_ids else "length"
+    return tokenizer.decode(output), finish_reason
+
+
+def test_chat_completion_greedy_text_equals_the_engine_alone(client, engine_alone, tokenizer):
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    expected, reason = engine_greedy_text(engine_alone, tokenizer, tokenizer.encode_chat(messages), 30)
+    assert response.choices[0].message.content == expected
+    assert response.choices[0].finish_reason == reason
+    assert response.usage.prompt_tokens == len(tokenizer.encode_chat(messages))
+    assert response.id.startswith("chatcmpl-")
+
+
+def test_streamed_chat_completion_equals_the_engine_alone(client, engine_alone, tokenizer):
+    messages = [{"role": "user", "content": "Écris une phrase sur la mer. 🌊"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=25, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, finish_reasons, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            if choice.finish_reason:
+                finish_reasons.append(choice.finish_reason)
+    expected, reason = engine_greedy_text(engine_alone, tokenizer, tokenizer.encode_chat(messages), 25)
+    assert "".join(pieces) == expected
+    assert "\ufffd" not in "".join(pieces)
+    assert finish_reasons == [reason]
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_completion_greedy_text_equals_the_engine_alone_streamed_or_not(client, engine_alone, tokenizer):
+    prompt = "Once upon a time, in a small village by the sea,"
+    expected, reason = engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), 20)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert response.choices[0].text == expected and response.choices[0].finish_reason == reason
+    streamed = "".join(chunk.choices[0].text for chunk in
+                       client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+                       if chunk.choices)
+    assert streamed == expected
+
+
+def test_seeded_sampling_through_the_system_is_repeatable(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=16,
+                                         temperature=0.9, top_p=0.95, seed=42).choices[0].text
+
+    assert sample() == sample()
+
+
+def test_concurrent_requests_all_complete_with_their_own_greedy_answer(client, engine_alone, tokenizer):
+    prompts = [f"Count from {start} to {start + 5}:" for start in range(1, 9)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(
+            model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text, prompts))
+    for prompt, answer in zip(prompts, answers):
+        assert answer == engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), 12)[0], prompt
+
+
+def post(system: System, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    request = urllib.request.Request(f"{system.base_url}{path}", data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+BAD_INPUTS = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": 5}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_p": 2}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 3}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hello " * 9000}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": "gpt-17", "prompt": "x"}).encode(), 404),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+    ("/v1/completions", b"x" * (2 << 20), 413),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD_INPUTS,
+                         ids=["malformed-json", "wrong-type", "temperature", "max-tokens", "top-p", "n", "too-long",
+                              "unknown-model", "messages-type", "role", "body-too-large"])
+def test_bad_input_gets_its_status_and_an_openai_error_then_a_good_request_succeeds(system, client, path, body, status):
+    got_status, error_body = post(system, path, body)
+    assert got_status == status, error_body
+    assert set(error_body["error"]) >= {"message", "type", "param", "code"}
+    assert error_body["error"]["message"]
+    good = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert good.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_request_id_cancel_is_404_and_health_status_metrics_answer(system):
+    request = urllib.request.Request(f"{system.base_url}/v1/requests/cmpl-nope", method="DELETE")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=10)
+    assert raised.value.code == 404 and "error" in json.loads(raised.value.read())
+    with urllib.request.urlopen(f"{system.base_url}/status", timeout=10) as response:
+        status = json.loads(response.read())
+    assert len(status["workers"]) == 2
+    assert all(w["kv_blocks_total"] == 256 and w["device"] == "cpu" and w["pid"] for w in status["workers"])
+    with urllib.request.urlopen(f"{system.base_url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert "time_to_first_token" in metrics
+
+
+# Iteration-level scheduling, seen in the scheduler's per-iteration record
+
+
+def iteration_records(redis_url: str) -> list[IterationRecord]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [IterationRecord.model_validate(msgpack.unpackb(fields[b"m"]))
+                for _, fields in client.xrange(keys.ITERATIONS_STREAM)]
+    finally:
+        client.close()
+
+
+def run_one_long_and_many_short(system: System) -> tuple[str, list[str], list[str]]:
+    client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+    def complete(max_tokens: int) -> str:
+        return client.completions.create(model=MODEL, prompt="Tell me about the sea.", max_tokens=max_tokens,
+                                         temperature=0, extra_body={"ignore_eos": True}).id
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        long_request = pool.submit(complete, 64)
+        time.sleep(0.5)
+        first_wave = [pool.submit(complete, 3) for _ in range(3)]
+        first_ids = [future.result(timeout=300) for future in first_wave]
+        second_wave = [pool.submit(complete, 3) for _ in range(2)]
+        second_ids = [future.result(timeout=300) for future in second_wave]
+        return long_request.result(timeout=300), first_ids, second_ids
+
+
+def test_iteration_level_short_requests_finish_and_new_ones_join_while_the_long_one_runs(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    with System("--redis-url", redis_url, "--policy", "iteration", workers=1) as system:
+        long_id, first_ids, second_ids = run_one_long_and_many_short(system)
+        records = iteration_records(redis_url)
+    with_long = [record for record in records if long_id in record.request_ids]
+    long_finished_at = max(record.iteration for record in with_long)
+    for request_id in first_ids + second_ids:
+        joined = [r.iteration for r in records if request_id in r.joined]
+        finished = [r.iteration for r in records if request_id in r.finished]
+        assert joined and finished, f"{request_id} not in the iteration record"
+        assert finished[0] < long_finished_at, f"{request_id} did not finish while the long request ran"
+    assert any(set(second_ids) & set(r.joined) for r in with_long), "no new request joined the running batch"
+
+
+def test_request_level_policy_makes_new_requests_wait_for_the_whole_batch(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    with System("--redis-url", redis_url, "--policy", "request", workers=1) as system:
+        long_id, first_ids, second_ids = run_one_long_and_many_short(system)
+        records = iteration_records(redis_url)
+    with_long = [record for record in records if long_id in record.request_ids]
+    long_finished_at = max(record.iteration for record in with_long)
+    for request_id in first_ids + second_ids:
+        joined = min(r.iteration for r in records if request_id in r.joined)
+        assert joined > long_finished_at, f"{request_id} joined before the long request's batch finished"
+    assert all(set(r.joined) <= set(with_long[0].request_ids) for r in with_long)
+
+
+def test_sigterm_stops_the_whole_system_and_leaves_no_process_behind():
+    system = System(workers=2).__enter__()
+    children = system.descendants()
+    names = " ".join(" ".join(child.cmdline()) for child in children)
+    assert "redis-server" in names and names.count("services.cli worker") == 2
+    leftovers = system.stop()
+    assert leftovers == [], f"left running: {[p.pid for p in leftovers]}"
+    assert not [child for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
