@@ -68,7 +68,10 @@ class RedisProcess:
 def private_redis() -> Iterator[str]:
     """Yields a Redis URL; the server is gone afterwards."""
     try:
-        from testcontainers.redis import RedisContainer
+        try:
+            from testcontainers.community.redis import RedisContainer
+        except ImportError:
+            from testcontainers.redis import RedisContainer
 
         container = RedisContainer("redis:7-alpine")
         container.start()
