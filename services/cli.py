@@ -27,6 +27,7 @@ SERVICE_OPTIONS = {
     "--max-batch-size": ("max_batch_size", int, "requests per iteration per worker (default 64)"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget per iteration per worker (default 512)"),
     "--kv-blocks": ("kv_blocks", int, "KV cache blocks per worker (default 2048)"),
+    "--kv-memory-fraction": ("kv_memory_fraction", float, "size the KV pool as this fraction of free device memory"),
     "--kv-block-size": ("kv_block_size", int, "tokens per KV block (default 16)"),
     "--workers": ("workers", int, "workers started by `up` (default 1)"),
     "--threads": ("threads", int, "torch threads per worker (default: cores / workers)"),
@@ -35,12 +36,26 @@ SERVICE_OPTIONS = {
     "--attention": ("attention", str, "batched or per_request (Orca's reference path)"),
     "--worker-id": ("worker_id", str, "this worker's id (default: drawn at start)"),
     "--log-level": ("log_level", str, "DEBUG, INFO, WARNING ..."),
+    # Access and admission (services/gateway/admission.py)
+    "--api-keys": ("api_keys", str, "comma-separated API keys (visible in ps: prefer --api-keys-file or the env)"),
+    "--api-keys-file": ("api_keys_file", str, "file of API keys, one per line"),
+    "--protect-observability": ("protect_observability", bool, "/metrics and /status need an API key too"),
+    "--max-waiting-requests": ("max_waiting_requests", int, "429 past this many waiting requests (default 512)"),
+    "--max-waiting-prompt-tokens": ("max_waiting_prompt_tokens", int, "429 past this many waiting prompt tokens"),
+    "--max-streams-per-key": ("max_streams_per_key", int, "open generation requests per API key (default 128)"),
+    "--max-prompt-tokens": ("max_prompt_tokens", int, "prompt tokens per request (default: the context length)"),
+    "--max-tokens-limit": ("max_tokens_limit", int, "max_tokens per request (default: the context length)"),
+    "--max-stop-strings": ("max_stop_strings", int, "stop strings per request (default 4)"),
+    "--max-stop-length": ("max_stop_length", int, "characters per stop string (default 256)"),
 }
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
     for option, (field, kind, help_text) in SERVICE_OPTIONS.items():
-        parser.add_argument(option, dest=field, type=kind, default=None, help=help_text)
+        if kind is bool:
+            parser.add_argument(option, dest=field, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(option, dest=field, type=kind, default=None, help=help_text)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -73,6 +88,11 @@ def serve(run_service, settings: Settings) -> None:
 def require_redis(settings: Settings, parser: argparse.ArgumentParser) -> None:
     if not settings.redis_url:
         parser.error("no Redis: pass --redis-url or set REDIS_URL (or start everything with `iterserve up`)")
+    from shared.redis_connection import credentials_error
+
+    problem = credentials_error(settings.redis_url)  # a wrong password stops here, not in a retry loop
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,6 +103,12 @@ def main(argv: list[str] | None = None) -> None:
         add_service_options(commands.add_parser(name, help=f"run {name}"))
     bench = commands.add_parser("bench", help="load generator against a running gateway", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # REMAINDER would refuse options that come first (`bench --rate 2`)
+        from services.bench.cli import main as bench_main
+
+        bench_main(argv[1:])
+        return
     args = parser.parse_args(argv)
 
     if args.command == "bench":

@@ -31,6 +31,8 @@ class Settings(BaseModel):
     # Workers
     workers: int = Field(1, ge=0)  # `iterserve up` only
     kv_blocks: int = Field(2048, ge=1)  # KV blocks per worker
+    # When > 0, size the KV pool as this fraction of the device's free memory instead of kv_blocks.
+    kv_memory_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     kv_block_size: int = Field(16, ge=1)
     threads: int = Field(0, ge=0)  # torch threads per worker; 0: cores / workers
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -39,12 +41,31 @@ class Settings(BaseModel):
     worker_id: str = ""  # empty: drawn at start
     # Liveness
     heartbeat_seconds: float = Field(0.5, gt=0)
-    worker_timeout_seconds: float = Field(2.0, gt=0)  # a worker silent this long is dead
+    # A worker silent this long is dead: with the scheduler's poll (every 0.25 s) a killed worker
+    # is noticed within 1.75 s.
+    worker_timeout_seconds: float = Field(1.5, gt=0)
     scheduler_timeout_seconds: float = Field(3.0, gt=0)
     stall_seconds: float = Field(30.0, gt=0)  # /health: no iteration this long while requests wait
+    # SIGTERM'd worker: takes no new requests, hands its running ones over (or finishes them),
+    # and exits after at most this long (compose and `up` give a stopping service 10 s and 15 s).
+    drain_seconds: float = Field(8.0, ge=0)
     # Gateway
     max_body_bytes: int = Field(1 << 20, ge=1024)
     request_ttl_seconds: int = Field(3600, ge=1)  # how long a finished request stays readable
+    # Access (services/gateway/admission.py): with no key configured the API is open to anyone
+    # who can reach host:port (the default host is 127.0.0.1 for that reason).
+    api_keys: str = ""  # comma-separated keys; `Authorization: Bearer <key>` on every /v1/* request
+    api_keys_file: str = ""  # one key per line (blank lines and # comments ignored)
+    protect_observability: bool = False  # /metrics and /status need a key too
+    # Admission: past these the gateway answers 429 with Retry-After instead of queueing.
+    max_waiting_requests: int = Field(512, ge=1)  # requests accepted, no output token yet
+    max_waiting_prompt_tokens: int = Field(262_144, ge=1)  # their prompt tokens
+    max_streams_per_key: int = Field(128, ge=1)  # open generation responses (streamed or not) per key
+    # Limits on what one request may ask for (400 past them); 0: the model's context length.
+    max_prompt_tokens: int = Field(0, ge=0)
+    max_tokens_limit: int = Field(0, ge=0)
+    max_stop_strings: int = Field(4, ge=0)
+    max_stop_length: int = Field(256, ge=1)  # characters of one stop string
     log_level: str = "INFO"
 
     @staticmethod

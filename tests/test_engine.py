@@ -277,3 +277,14 @@ def test_greedy_is_temperature_zero_and_top_k_one_is_greedy_too():
     greedy = generate_alone(engine, "g", prompt, 8)
     top1 = generate_alone(engine, "k", prompt, 8, SamplingParams(temperature=1.5, top_k=1, seed=5))
     assert greedy == top1
+
+
+def test_kv_pool_can_be_sized_as_a_fraction_of_free_memory():
+    from services.worker.engine import free_memory_bytes
+
+    config = Engine.tiny().config
+    settings = Settings(kv_memory_fraction=0.001, kv_block_size=4)
+    cache = Engine._kv_cache_for(config, settings, torch.device("cpu"), torch.float32)
+    bytes_per_block = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4 * 4
+    expected = int(free_memory_bytes(torch.device("cpu")) * 0.001) // bytes_per_block
+    assert abs(cache.blocks_total - expected) <= expected * 0.05 + 1

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from services.worker.attention import AttentionMode, build_batch
+from services.worker.attention import AttentionMode, StepRequest, build_batch
 from services.worker.kv_cache import KVCacheFull, PagedKVCache
 from services.worker.model import TINY_CONFIG, Llama, tiny_random_weights
 from services.worker.sampling import sample_tokens
@@ -46,6 +46,15 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory the KV pool may take a fraction of: free GPU memory, or available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
 class Engine:
     def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched"):
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
@@ -75,8 +84,13 @@ class Engine:
 
     @staticmethod
     def _kv_cache_for(config: ModelConfig, settings: Settings, device: torch.device, dtype: torch.dtype) -> PagedKVCache:
-        return PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, settings.kv_blocks,
-                            settings.kv_block_size, device, dtype)
+        blocks = settings.kv_blocks
+        if settings.kv_memory_fraction > 0:
+            bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
+                               * torch.finfo(dtype).bits // 8)
+            blocks = max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
+        return PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, blocks, settings.kv_block_size,
+                            device, dtype)
 
     # Requests
 
@@ -144,22 +158,23 @@ class Engine:
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        requests: list[tuple[int, int, int, list[int]]] = []
+        requests: list[StepRequest] = []
         logit_rows: list[int] = []
         sampled: list[StepItem] = []
         for item in items:
             start, count = item.start_position, len(item.token_ids)
-            context_slots = self.kv_cache.slots(item.request_id, 0, start + count)
-            requests.append((len(token_ids), count, start, context_slots))
+            blocks = self.kv_cache.block_table(item.request_id)
+            requests.append(StepRequest(len(token_ids), count, start, blocks))
             token_ids.extend(item.token_ids)
             positions.extend(range(start, start + count))
-            slot_mapping.extend(context_slots[start:])
+            slot_mapping.extend(self.kv_cache.slots(item.request_id, start, start + count))
             if item.sample:
                 logit_rows.append(len(token_ids) - 1)
                 sampled.append(item)
-        group = self.config.n_heads // self.config.n_kv_heads
-        kv_width = self.config.n_kv_heads * self.config.head_dim
-        batch = build_batch(self.attention, requests, slot_mapping, group, kv_width, device, self.model.dtype)
+        config = self.config
+        batch = build_batch(self.attention, requests, slot_mapping, self.kv_cache.block_size,
+                            config.n_heads // config.n_kv_heads, config.n_kv_heads * config.head_dim, device,
+                            self.model.dtype)
         logits = self.model.forward(
             torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),

@@ -54,6 +54,9 @@ class PagedKVCache:
         for _ in range(needed):
             table.append(self._free_blocks.pop())
 
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._block_tables[request_id])
+
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat pool slots of token positions [start, end) of a request (within its blocks)."""
         table, size = self._block_tables[request_id], self.block_size

@@ -3,9 +3,16 @@
 Loop: read the next BatchPlan from its Redis stream, free what the plan says, run the step
 in the engine (in a thread, so heartbeats go on), publish the PlanResult. A heartbeat key
 with a TTL announces it; when the key expires the scheduler moves its requests elsewhere.
+
+SIGTERM drains: the heartbeat says `draining` (the scheduler admits nothing new here and hands
+the running requests over to another worker, or lets them finish when there is none); the
+worker goes on running plans until it holds no request or `drain_seconds` have passed, then
+deregisters and exits. Whatever it still held is re-queued by the scheduler when it is gone.
+No Redis command is ever cancelled (see shared/redis_connection.py): loops stop on flags.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -17,13 +24,15 @@ import torch
 from services.worker.engine import Engine
 from shared import keys
 from shared.config import Settings, threads_per_worker
-from shared.messages import BatchPlan, PlanResult, SampledToken, WorkerInfo
+from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("iterserve.worker")
 
 PLAN_BLOCK_MS = 1000
+DRAIN_BLOCK_MS = 100  # while draining: look at the exit conditions this often
+EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregister
 PLANS_KEPT = 1000
 RESULTS_KEPT = 10000
 
@@ -36,6 +45,7 @@ class Worker:
         self.scheduler_epoch = ""
         self.draining = False
         self.device = str(engine.model.device)
+        self._heartbeat_stop = asyncio.Event()
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_cache
@@ -46,17 +56,25 @@ class Worker:
             heartbeat_at=time.time(),
         )
 
-    async def heartbeat_forever(self) -> None:
+    async def beat(self) -> None:
         timeout_ms = int(self.settings.worker_timeout_seconds * 1000)
-        while True:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(keys.worker_heartbeat(self.worker_id), encode(self.info()), px=timeout_ms)
+            pipe.sadd(keys.WORKERS_SET, self.worker_id)
+            await pipe.execute()
+
+    async def heartbeat_forever(self) -> None:
+        """Until _heartbeat_stop is set (never cancelled: it may be waiting on Redis)."""
+        while not self._heartbeat_stop.is_set():
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.set(keys.worker_heartbeat(self.worker_id), encode(self.info()), px=timeout_ms)
-                    pipe.sadd(keys.WORKERS_SET, self.worker_id)
-                    await pipe.execute()
+                await self.beat()
             except RECONNECT_ERRORS as error:
                 log.warning("event=heartbeat_failed worker=%s error=%r", self.worker_id, error)
-            await asyncio.sleep(self.settings.heartbeat_seconds)
+            except Exception:  # a heartbeat that stops for good would get this worker declared dead
+                log.exception("event=heartbeat_error worker=%s", self.worker_id)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.heartbeat_seconds):
+                    await self._heartbeat_stop.wait()
 
     def execute(self, plan: BatchPlan) -> PlanResult:
         if plan.scheduler_epoch != self.scheduler_epoch:
@@ -86,10 +104,23 @@ class Worker:
         heartbeat = asyncio.create_task(self.heartbeat_forever())
         log.info("event=worker_ready worker=%s pid=%d device=%s kv_blocks=%d threads=%d", self.worker_id,
                  os.getpid(), self.device, self.engine.kv_cache.blocks_total, torch.get_num_threads())
+        drain_deadline = 0.0
         try:
-            while not stop_event.is_set():
+            while True:
+                if stop_event.is_set():
+                    if not self.draining:
+                        drain_deadline = time.monotonic() + self.settings.drain_seconds
+                        await self._start_draining()
+                    if self.engine.running == 0:
+                        log.info("event=drained worker=%s", self.worker_id)
+                        break
+                    if time.monotonic() >= drain_deadline:
+                        log.warning("event=drain_timeout worker=%s still_running=%d", self.worker_id,
+                                    self.engine.running)
+                        break
+                block_ms = DRAIN_BLOCK_MS if self.draining else PLAN_BLOCK_MS
                 try:
-                    replies = await self.redis.xread({stream: last_id}, count=1, block=PLAN_BLOCK_MS)
+                    replies = await self.redis.xread({stream: last_id}, count=1, block=block_ms)
                 except RECONNECT_ERRORS as error:
                     log.warning("event=redis_unavailable worker=%s error=%r", self.worker_id, error)
                     await asyncio.sleep(0.5)
@@ -99,15 +130,36 @@ class Worker:
                         last_id = entry_id
                         await self.handle(fields)
         finally:
-            heartbeat.cancel()
             self.draining = True
-            try:  # deregister at once rather than let the heartbeat expire; Redis may be gone
-                async with asyncio.timeout(2):
-                    await self.redis.delete(keys.worker_heartbeat(self.worker_id))
-                    await self.redis.srem(keys.WORKERS_SET, self.worker_id)
-            except (TimeoutError, *RECONNECT_ERRORS):
-                pass
+            self._heartbeat_stop.set()
+            await self._deregister(heartbeat)
+
+    async def _start_draining(self) -> None:
+        """Say so at once (not at the next heartbeat): the scheduler stops sending new requests."""
+        self.draining = True
+        log.info("event=draining worker=%s running=%d drain_seconds=%.1f", self.worker_id, self.engine.running,
+                 self.settings.drain_seconds)
+        try:
+            await self.beat()
+        except RECONNECT_ERRORS as error:
+            log.warning("event=heartbeat_failed worker=%s error=%r", self.worker_id, error)
+
+    async def _deregister(self, heartbeat: asyncio.Task) -> None:
+        """Take the heartbeat key down at once rather than let it expire (the scheduler re-queues
+        what this worker still held); bounded, and without cancelling a Redis command."""
+
+        async def writes() -> None:
+            await heartbeat  # it stops at its next wait; a beat after the delete would re-register
+            await self.redis.delete(keys.worker_heartbeat(self.worker_id))
+            await self.redis.srem(keys.WORKERS_SET, self.worker_id)
+
+        task = asyncio.create_task(writes())
+        done, _ = await asyncio.wait({task}, timeout=EXIT_WRITE_SECONDS)
+        if task in done and task.exception() is None:
             await self.redis.aclose()
+        else:  # Redis unreachable: the key expires on its own
+            log.warning("event=deregister_failed worker=%s error=%r", self.worker_id,
+                        task.exception() if task in done else "timeout")
 
     async def handle(self, fields: dict) -> None:
         try:
@@ -118,7 +170,11 @@ class Worker:
         if plan.worker_id != self.worker_id:
             log.warning("event=misaddressed_plan worker=%s plan_worker=%s", self.worker_id, plan.worker_id)
             return
-        result = await asyncio.to_thread(self.execute, plan)
+        try:
+            result = await asyncio.to_thread(self.execute, plan)
+        except Exception as failure:  # a plan the engine cannot run must not take the worker down
+            log.exception("event=plan_failed worker=%s plan=%d", self.worker_id, plan.plan_id)
+            result = self.failed(plan, f"the worker could not run this plan: {type(failure).__name__}")
         for error in result.errors:
             log.warning("event=item_error worker=%s request=%s code=%s message=%s", self.worker_id,
                         error.request_id, error.code, error.message)
@@ -130,6 +186,19 @@ class Worker:
             except RECONNECT_ERRORS as error:
                 log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
                 await asyncio.sleep(0.5)
+
+
+    def failed(self, plan: BatchPlan, message: str) -> PlanResult:
+        """Every item of the plan in error: the scheduler rebuilds those requests (or fails them after a few)."""
+        for item in plan.items:
+            self.engine.free(item.request_id)  # the step may have stopped half-way through its KV
+        kv = self.engine.kv_cache
+        return PlanResult(
+            scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=self.worker_id,
+            errors=tuple(ItemError(request_id=request_id, code="bad_item", message=message)
+                         for request_id in dict.fromkeys(item.request_id for item in plan.items)),
+            kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=0.0,
+        )
 
 
 def new_worker_id() -> str:
