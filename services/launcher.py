@@ -21,6 +21,7 @@ from pathlib import Path
 import redis
 
 from shared.config import Settings, threads_per_worker
+from shared.redis_connection import credentials_error, redacted
 
 log = logging.getLogger("iterserve.up")
 
@@ -124,6 +125,9 @@ def run_up(settings: Settings) -> int:
         redis_process.start()
         wait_for_redis(url)
         settings = settings.model_copy(update={"redis_url": url})
+    elif problem := credentials_error(settings.redis_url):
+        log.error("event=redis_refused %s", problem)
+        return 2
     threads = settings.threads or threads_per_worker(settings.workers)
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
@@ -135,8 +139,8 @@ def run_up(settings: Settings) -> int:
     children.append(Child("gateway", service + ["gateway"], env))
     for child in children:
         child.start()
-    log.info("event=up redis=%s gateway=http://%s:%d workers=%d threads_per_worker=%d", settings.redis_url,
-             settings.host, settings.port, settings.workers, threads)
+    log.info("event=up redis=%s gateway=http://%s:%d workers=%d threads_per_worker=%d",
+             redacted(settings.redis_url), settings.host, settings.port, settings.workers, threads)
 
     while not stop_requested.wait(0.2):
         for child in children:

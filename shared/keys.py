@@ -3,7 +3,12 @@
 All keys live under one prefix so several deployments can share a Redis.
 """
 
+import re
+
 PREFIX = "iterserve"
+# What a request id may look like (the gateway's are cmpl-<32 hex> and chatcmpl-<32 hex>): an id
+# read from Redis that does not match is malformed input, skipped.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 # Stream of new request ids (gateway -> scheduler). Entries: {"id": request_id}.
 NEW_REQUESTS_STREAM = f"{PREFIX}:requests:new"
@@ -39,3 +44,15 @@ def plan_stream(worker_id: str) -> str:
 def worker_heartbeat(worker_id: str) -> str:
     """One worker's liveness key (value: msgpack WorkerInfo, expires unless renewed)."""
     return f"{PREFIX}:worker:{worker_id}"
+
+
+def valid_request_id(value: bytes | str | None) -> str | None:
+    """The request id held in a Redis value, or None when it is not one (any bytes may be there)."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if isinstance(value, str) and REQUEST_ID_PATTERN.fullmatch(value):
+        return value
+    return None

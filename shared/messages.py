@@ -15,13 +15,14 @@ RequestStatus = Literal["waiting", "running", "finished", "cancelled", "failed"]
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No NaN or infinity anywhere: a NaN arrival time would break the scheduler's sorted queue.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class SamplingParams(Frozen):
     temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 means no top-k cut
+    top_k: int = Field(0, ge=0, lt=2**31)  # 0 means no top-k cut
     # Always set (the gateway draws one when the client gives none): the randomness of
     # output token k is a function of (seed, k) only, so a request samples the same
     # tokens whatever its batch, its worker, or a rebuild of its KV.
@@ -67,9 +68,9 @@ class StepItem(Frozen):
     # Tokens fed this step: a chunk of the prompt (or of prompt + output when a request's
     # KV is rebuilt), or the one token sampled at the previous step.
     token_ids: tuple[int, ...]
-    start_position: int = Field(ge=0)  # tokens of this request already in the worker's KV
+    start_position: int = Field(ge=0, lt=2**31)  # tokens of this request already in the worker's KV
     sample: bool  # this step reaches the last known token: sample the next one
-    output_index: int = Field(ge=0)  # index of the token sampled (its seeded randomness)
+    output_index: int = Field(ge=0, lt=2**31)  # index of the token sampled (its seeded randomness)
 
 
 class BatchPlan(Frozen):
@@ -121,10 +122,10 @@ class WorkerInfo(Frozen):
     pid: int
     host: str
     device: str
-    kv_block_size: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    running: int  # requests holding KV on this worker
+    kv_block_size: int = Field(ge=1)  # the scheduler divides by it
+    kv_blocks_total: int = Field(ge=0)
+    kv_blocks_free: int = Field(ge=0)
+    running: int = Field(ge=0)  # requests holding KV on this worker
     draining: bool = False  # stopping: takes no new requests
     started_at: float
     heartbeat_at: float
@@ -140,6 +141,7 @@ class SchedulerInfo(Frozen):
     iterations: int
     waiting: int
     running: int
+    waiting_tokens: int = 0  # prompt (and rebuilt output) tokens of the waiting requests: gateway admission
 
 
 class IterationRecord(Frozen):

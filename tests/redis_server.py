@@ -35,10 +35,11 @@ def wait_for_ping(url: str, timeout: float = 10.0) -> None:
 class RedisProcess:
     """redis-server on a free 127.0.0.1 port with append-only persistence in a temp dir."""
 
-    def __init__(self, port: int | None = None, data_dir: str | None = None) -> None:
+    def __init__(self, port: int | None = None, data_dir: str | None = None, password: str | None = None) -> None:
         self.port = port or free_port()
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="iterserve-redis-")
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password  # --requirepass: the URL carries it
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "RedisProcess":
@@ -47,7 +48,8 @@ class RedisProcess:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.data_dir],
+             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.data_dir,
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_for_ping(self.url)

@@ -408,10 +408,13 @@ async def test_stream_completion_sse_format(gateway, scheduler):
     async with asyncio.timeout(WAIT_SECONDS):
         response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "stream": True})
         assert response.headers["Content-Type"].startswith("text/event-stream")
+        assert response.headers["X-Request-Id"].startswith("cmpl-"), "the id comes before any token"
         raw = await response.read()
     events = raw.decode().split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]", raw
-    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    ids_and_data = [event.split("\n") for event in events[:-2]]
+    assert [lines[0] for lines in ids_and_data] == ["id: 1", "id: 2", "id: 3"], "each id is where to resume"
+    chunks = [json.loads(lines[1].removeprefix("data: ")) for lines in ids_and_data]
     assert [chunk["choices"][0]["text"] for chunk in chunks] == [" w0", " w1", " w2"]
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, "length"]
     assert all(chunk["object"] == "text_completion" and "usage" not in chunk for chunk in chunks)
@@ -685,3 +688,32 @@ async def test_run_gateway_serves_on_its_port_until_stopped(redis_url, redis_cli
     finally:
         stop_event.set()
         await asyncio.wait_for(serving, WAIT_SECONDS)
+
+
+async def test_a_stopping_gateway_leaves_its_open_streams_running_for_a_reattach(redis_url, redis_client,
+                                                                                 held_scheduler):
+    from tests.redis_server import free_port
+
+    port = free_port()
+    stop_event = asyncio.Event()
+    serving = asyncio.create_task(run_gateway(gateway_settings(redis_url, port=port), stop_event))
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + WAIT_SECONDS
+            while True:
+                try:
+                    response = await session.post(f"http://127.0.0.1:{port}{COMPLETIONS}",
+                                                  json={**GOOD_COMPLETION, "stream": True})
+                    break
+                except aiohttp.ClientConnectionError:
+                    assert time.monotonic() < deadline, "run_gateway never listened"
+                    await asyncio.sleep(0.05)
+            request_id = (await redis_client.xrange(keys.NEW_REQUESTS_STREAM))[0][1][b"id"].decode()
+            stop_event.set()  # SIGTERM: the gateway closes the stream on its way out
+            await asyncio.wait_for(serving, 20)
+            response.close()
+    finally:
+        stop_event.set()
+        await asyncio.wait({serving}, timeout=20)
+    assert await cancel_entries(redis_client) == [], "a gateway going away is not a client going away"
+    assert request_id in {member.decode() for member in await redis_client.smembers(keys.ACTIVE_REQUESTS_SET)}

@@ -364,6 +364,32 @@ def test_draining_worker_gets_no_new_requests():
     assert policy.next_plan("w1") is None
 
 
+def test_a_draining_worker_hands_its_requests_over_to_another_which_rebuilds_them():
+    policy = make_policy()
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    prompts = {}
+    for index in range(2):
+        policy.add_request(rec := record(f"r{index}", arrival=index, max_tokens=6))
+        prompts[rec.request_id] = rec.prompt_token_ids
+    w1 = FakeWorker(prompts)
+    for _ in range(2):
+        policy.on_result(w1.run(policy.next_plan("w1")))
+    assert policy.set_draining("w1", True) == [], "no other worker: they stay and finish on w1"
+    plan = policy.next_plan("w1")
+    assert sorted(item.request_id for item in plan.items) == ["r0", "r1"]
+    policy.on_result(w1.run(plan))
+    policy.worker_up("w2", kv_blocks_total=100, kv_block_size=4)
+    assert sorted(policy.set_draining("w1", True)) == ["r0", "r1"], "handed over once w2 takes requests"
+    plan = policy.next_plan("w1")
+    assert sorted(plan.free_request_ids) == ["r0", "r1"] and plan.items == (), "w1 frees them, runs nothing"
+    policy.on_result(w1.run(plan))
+    assert policy.next_plan("w1") is None
+    outputs, reasons, plans = drive(policy, {"w1": w1, "w2": FakeWorker(prompts)})
+    assert all(plan.worker_id == "w2" for plan in plans)
+    assert {request_id: len(tokens) for request_id, tokens in outputs.items()} == {"r0": 3, "r1": 3}
+    assert reasons == {"r0": "length", "r1": "length"}
+
+
 def test_stale_results_are_ignored():
     policy = make_policy()
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)

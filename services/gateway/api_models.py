@@ -9,12 +9,13 @@ import json
 import random
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from services.gateway.errors import ApiError, bad_request
 from shared.messages import SamplingParams
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # defaults of the limits; parse_body(limits=Settings) sets the server's own
+MAX_STOP_LENGTH = 256
 SEED_RANGE = 2**63  # SamplingParams.seed is in [0, 2**63); wider client seeds are folded into it
 
 # Known OpenAI/vLLM parameters this server does not implement: the values that mean "off".
@@ -50,7 +51,7 @@ class GenerationParams(StrictBody):
     max_completion_tokens: int | None = Field(None, ge=1)  # newer name; wins over max_tokens
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k cut
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # -1 or 0: no top-k cut
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: Any = Field(None, validate_default=True)  # normalized to a tuple of strings
     stream: bool | None = None
@@ -83,18 +84,24 @@ class GenerationParams(StrictBody):
 
     @field_validator("stop")
     @classmethod
-    def stop_strings(cls, stop: Any) -> tuple[str, ...]:
+    def stop_strings(cls, stop: Any, info: ValidationInfo) -> tuple[str, ...]:
+        limits = info.context or {}
+        max_strings = limits.get("max_stop_strings", MAX_STOP_STRINGS)
+        max_length = limits.get("max_stop_length", MAX_STOP_LENGTH)
         if stop is None:
             return ()
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
             raise ValueError("stop must be a string or a list of strings")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        if len(stop) > max_strings:
+            raise ValueError(f"at most {max_strings} stop strings, got {len(stop)}")
         if any(item == "" for item in stop):
             raise ValueError("stop strings must not be empty")
-        return tuple(stop)
+        longest = max((len(item) for item in stop), default=0)
+        if longest > max_length:
+            raise ValueError(f"a stop string may have at most {max_length} characters, got {longest}")
+        return tuple(text_of(item, "a stop string") for item in stop)
 
     def check_supported(self) -> None:
         for name, defaults in UNSUPPORTED_UNLESS_DEFAULT.items():
@@ -132,7 +139,7 @@ class CompletionRequest(GenerationParams):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
-            return prompt
+            return text_of(prompt, "the prompt")
         if isinstance(prompt, list):
             if prompt and all(isinstance(item, str) for item in prompt):
                 raise ValueError(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")
@@ -154,7 +161,7 @@ class ChatMessage(StrictBody):
     @classmethod
     def text_content(cls, content: Any) -> str:
         if isinstance(content, str):
-            return content
+            return text_of(content, "content")
         if isinstance(content, list):
             texts = []
             for position, part in enumerate(content):
@@ -162,7 +169,7 @@ class ChatMessage(StrictBody):
                     raise ValueError(
                         f"content part {position}: only {{\"type\": \"text\", \"text\": ...}} parts are supported"
                     )
-                texts.append(part["text"])
+                texts.append(text_of(part["text"], f"content part {position}"))
             return "".join(texts)
         raise ValueError("content must be a string or a list of text parts")
 
@@ -175,8 +182,22 @@ class ChatCompletionRequest(GenerationParams):
     tool_choice: Any = None  # meaningless without tools, which are refused
 
 
-def parse_body(model_type: type[GenerationParams], body: bytes) -> GenerationParams:
-    """The validated request, or an ApiError naming the offending field."""
+def text_of(text: str, what: str) -> str:
+    """JSON can carry lone UTF-16 surrogates (\\ud800), which are no text: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate)") from None
+    return text
+
+
+def parse_body(
+    model_type: type[GenerationParams], body: bytes, limits: dict[str, int] | None = None
+) -> GenerationParams:
+    """The validated request, or an ApiError naming the offending field.
+
+    limits: max_stop_strings and max_stop_length, when the server sets its own.
+    """
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as error:
@@ -184,7 +205,7 @@ def parse_body(model_type: type[GenerationParams], body: bytes) -> GenerationPar
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        request = model_type.model_validate(data)
+        request = model_type.model_validate(data, context=limits)
     except ValidationError as error:
         raise validation_error(error) from None
     request.check_supported()

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.gateway.admission import Admission, load_api_keys
 from services.gateway.errors import ApiError, ServiceUnavailable, error_body, unknown_request
-from services.gateway.generation import create_chat_completion, create_completion, reattach_stream
+from services.gateway.generation import create_chat_completion, create_completion, reattach_stream, visible_to
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.state import ANSWER, ENDPOINT, STATE, GatewayState
+from services.gateway.openapi import openapi_document
+from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayState
 from services.gateway.store import Store
 from shared.config import Settings
 from shared.messages import SchedulerInfo
@@ -39,7 +41,7 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
 
         tokenizer = Tokenizer.load(settings.model)
     metadata = load_metadata(settings.model)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware, access_middleware])
     app[STATE] = GatewayState(
         settings=settings,
         tokenizer=tokenizer,
@@ -47,6 +49,7 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
         context_length=metadata.config.context_length,
         metrics=GatewayMetrics(),
         started_at=int(time.time()),
+        admission=Admission(settings, load_api_keys(settings)),
     )
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
@@ -58,6 +61,7 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.on_startup.append(_open_redis)
     app.on_cleanup.append(_close_redis)
     return app
@@ -75,12 +79,22 @@ async def _close_redis(app: web.Application) -> None:
 
 
 @web.middleware
+async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """API keys: a protected path needs a valid `Authorization: Bearer` key (401 otherwise)."""
+    admission = request.app[STATE].admission
+    if admission.protects(request.path):
+        request[CLIENT_KEY] = admission.client_key(request)
+    return await handler(request)
+
+
+@web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every failure becomes an OpenAI-style JSON error; nothing escapes as a 500."""
+    code = None
     try:
         return await handler(request)
     except ApiError as error:
-        response = error.response()
+        response, code = error.response(), error.code
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -89,8 +103,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         raise
     except Exception:
         log.exception("unexpected error method=%s path=%s", request.method, request.path)
-        response = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error").response()
+        internal = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error")
+        response, code = internal.response(), internal.code
     _count_refusal(request, response.status)
+    request.app[STATE].metrics.refusals.labels(str(response.status), code or "none").inc()
     log.info("refused status=%d %s %s error=%s", response.status, request.method, request.path, response.text)
     return response
 
@@ -148,7 +164,7 @@ async def get_request(request: web.Request) -> web.Response:
     state = request.app[STATE]
     request_id = request.match_info["request_id"]
     request_state = await state.store.request_state(request_id)
-    if request_state is None:
+    if request_state is None or not visible_to(request, request_state):
         raise unknown_request(request_id)
     record = request_state.record
     return web.json_response(
@@ -171,7 +187,7 @@ async def cancel_request(request: web.Request) -> web.Response:
     state = request.app[STATE]
     request_id = request.match_info["request_id"]
     request_state = await state.store.request_state(request_id)
-    if request_state is None:
+    if request_state is None or not visible_to(request, request_state):
         raise unknown_request(request_id)
     cancelled = not request_state.terminal
     if cancelled:
@@ -266,9 +282,30 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    document = openapi_document(state.settings, state.model_name, state.admission.keys_required,
+                                state.context_length, state.tokenizer.vocab_size)
+    return web.json_response(document)
+
+
+def warn_if_open(state: GatewayState) -> None:
+    """Say at start-up who can use the server."""
+    settings = state.settings
+    if state.admission.keys_required:
+        log.info("API keys required on /v1/*%s", " and /metrics, /status" if settings.protect_observability else "")
+    elif settings.host in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no API keys configured: the API is open to every process on this machine (bound to %s); "
+                    "set ITERSERVE_API_KEYS or ITERSERVE_API_KEYS_FILE to require keys", settings.host)
+    else:
+        log.warning("no API keys configured and bound to %s: the API is OPEN to anyone who can reach this "
+                    "address; set ITERSERVE_API_KEYS or ITERSERVE_API_KEYS_FILE", settings.host)
+
+
 async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
     """Serve on settings.host:settings.port until stop_event is set (forever without one)."""
     app = create_app(settings)
+    warn_if_open(app[STATE])
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS
     )
@@ -279,5 +316,6 @@ async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = Non
         log.info("gateway listening on %s model=%s", runner.addresses, app[STATE].model_name)
         await (stop_event or asyncio.Event()).wait()
         log.info("gateway stopping")
+        app[STATE].stopping = True
     finally:
         await runner.cleanup()

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from aiohttp import web
 from jinja2 import TemplateError
 
+from services.gateway.admission import OPEN_KEY_ID, Ticket
 from services.gateway.api_models import GenerationParams, parse_body
 from services.gateway.errors import ApiError, bad_request, unknown_model, unknown_request
 from services.gateway.responses import (
@@ -27,7 +28,8 @@ from services.gateway.responses import (
     sse,
     usage,
 )
-from services.gateway.state import ANSWER, ENDPOINT, STATE, GatewayState
+from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayState
+from services.gateway.store import RequestState
 from shared.messages import RequestRecord, TokenEvent
 
 log = logging.getLogger("iterserve.gateway")
@@ -53,17 +55,26 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     state = request.app[STATE]
     request[ENDPOINT] = endpoint.name
     arrival_time, started = time.time(), time.monotonic()
-    params = parse_body(endpoint.request_type, await request.read())
+    settings = state.settings
+    limits = {"max_stop_strings": settings.max_stop_strings, "max_stop_length": settings.max_stop_length}
+    params = parse_body(endpoint.request_type, await request.read(), limits)
     if params.model is not None and params.model != state.model_name:
         raise unknown_model(params.model, state.model_name)
     prompt_token_ids = await tokenize_prompt(state, endpoint, params)
     max_tokens = resolve_max_tokens(state, endpoint, params, len(prompt_token_ids))
     request_id = endpoint.new_request_id()
     sampling = params.sampling_params(max_tokens)
+    client_key = request.get(CLIENT_KEY, OPEN_KEY_ID)
     record = RequestRecord(
-        request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time
+        request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time,
+        client_key=client_key,
     )
-    await state.store.submit(record)
+    ticket = await admit(state, client_key, len(prompt_token_ids))
+    try:
+        await state.store.submit(record)
+    except BaseException:
+        ticket.close()
+        raise
     log.info(
         "accepted id=%s endpoint=%s prompt_tokens=%d max_tokens=%d stream=%s temperature=%s seed=%d",
         request_id, endpoint.name, len(prompt_token_ids), max_tokens, bool(params.stream),
@@ -71,11 +82,31 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     )  # fmt: skip
     state.metrics.prompt_tokens.inc(len(prompt_token_ids))
     answer = Answer(state, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started)
+    answer.ticket = ticket
     request[ANSWER] = answer
-    with state.metrics.in_flight.track_inprogress():
-        if params.stream:
-            return await stream_answer(request, answer, params.include_usage, cancel_on_disconnect=True)
-        return await whole_answer(request, answer)
+    try:
+        with state.metrics.in_flight.track_inprogress():
+            if params.stream:
+                return await stream_answer(request, answer, params.include_usage, cancel_on_disconnect=True)
+            return await whole_answer(request, answer)
+    finally:
+        ticket.close()
+
+
+async def admit(state: GatewayState, client_key: str, prompt_tokens: int) -> Ticket:
+    """A place among the waiting requests, or a 429 (services/gateway/admission.py)."""
+    admission = state.admission
+    if admission.needs_scheduler_view():
+        admission.note_scheduler(await state.store.scheduler_info())  # Redis down: 503, as submit would
+    return admission.admit(client_key, prompt_tokens)
+
+
+def visible_to(request: web.Request, request_state: RequestState) -> bool:
+    """Only the key that sent a request may look it up, cancel it or re-attach to it."""
+    client_key = request.get(CLIENT_KEY, OPEN_KEY_ID)
+    if client_key == OPEN_KEY_ID:
+        return not request.app[STATE].admission.keys_required
+    return request_state.record is not None and request_state.record.client_key == client_key
 
 
 async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: GenerationParams) -> list[int]:
@@ -109,8 +140,23 @@ async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: Gener
 
 
 def resolve_max_tokens(state: GatewayState, endpoint: Endpoint, params: GenerationParams, prompt_tokens: int) -> int:
-    """The output budget; a request that cannot fit the context is refused, never clipped."""
+    """The output budget; a request that cannot fit the context or the server's limits is refused, never clipped."""
     context = state.context_length
+    prompt_limit, output_limit = state.settings.max_prompt_tokens, state.settings.max_tokens_limit
+    if prompt_limit and prompt_tokens > prompt_limit:
+        raise bad_request(
+            f"prompt too long: {prompt_tokens} tokens, and this server takes at most {prompt_limit}",
+            param=endpoint.prompt_param,
+            code="prompt_too_long",
+        )
+    requested = params.requested_max_tokens()
+    if output_limit and requested is not None and requested > output_limit:
+        param = "max_completion_tokens" if params.max_completion_tokens else "max_tokens"
+        raise bad_request(
+            f"`{param}` is {requested}, and this server generates at most {output_limit} tokens per request",
+            param=param,
+            code="max_tokens_exceeded",
+        )
     if prompt_tokens >= context:
         raise bad_request(
             f"prompt too long: {prompt_tokens} tokens, and this model's context length is {context} tokens",
@@ -118,9 +164,9 @@ def resolve_max_tokens(state: GatewayState, endpoint: Endpoint, params: Generati
             code="context_length_exceeded",
         )
     remaining = context - prompt_tokens
-    requested = params.requested_max_tokens()
     if requested is None:
-        return remaining if endpoint.is_chat else min(DEFAULT_COMPLETION_MAX_TOKENS, remaining)
+        default = remaining if endpoint.is_chat else min(DEFAULT_COMPLETION_MAX_TOKENS, remaining)
+        return min(default, output_limit) if output_limit else default
     if requested > remaining:
         raise bad_request(
             f"this model's context length is {context} tokens, but the prompt has {prompt_tokens} tokens and "
@@ -154,6 +200,7 @@ class Answer:
         self.last_token_at: float | None = None
         self.finished = False
         self.outcome_counted = False
+        self.ticket: Ticket | None = None  # its place among the waiting requests and the key's open ones
 
     def count_outcome(self, outcome: str) -> None:
         if self.started is not None and not self.outcome_counted:
@@ -168,6 +215,8 @@ class Answer:
             self.tokens_seen += 1
             if self.first_token_at is None:
                 self.first_token_at = now
+                if self.ticket is not None:
+                    self.ticket.started()
                 if self.started is not None:
                     self.state.metrics.time_to_first_token.observe(now - self.started)
             self.last_token_at = now
@@ -195,6 +244,10 @@ class Answer:
     def client_gone(self, cancel: bool) -> None:
         """The client left before the final token: cancel the request unless it already finished."""
         if self.finished:
+            return
+        if self.state.stopping:  # the gateway closes the connection, not the client: keep the request
+            log.info("gateway stopping, request goes on id=%s (re-attach: GET /v1/requests/%s/stream?from=N)",
+                     self.request_id, self.request_id)
             return
         log.info("client disconnected id=%s cancel=%s", self.request_id, cancel)
         self.count_outcome("client_disconnected")
@@ -265,7 +318,8 @@ async def stream_answer(
     request: web.Request, answer: Answer, include_usage: bool, cancel_on_disconnect: bool
 ) -> web.StreamResponse:
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                 "X-Request-Id": answer.request_id}  # before any token: what to cancel or re-attach to
     )
     try:
         await response.prepare(request)
@@ -306,14 +360,15 @@ async def _stream_events(
             answer.add(event)
             if event.finish_reason is None:
                 if event.text:
-                    await response.write(chunks.text(event.text))
+                    await response.write(chunks.text(event.text, resume_from=event.index + 1))
                     last_write = time.monotonic()
                 continue
             token_usage = answer.finish(event)  # from here on the request is over: nothing to cancel
             if event.finish_reason == "error":
                 await response.write(sse(request_failed(answer.request_id).body()))
             else:
-                await response.write(chunks.text(event.text, event.finish_reason))
+                await response.write(chunks.text(event.text, event.finish_reason,
+                                                 resume_from=event.index + 1 if event.index >= 0 else None))
                 if include_usage:
                     await response.write(chunks.usage(token_usage))
             await response.write(DONE_EVENT)
@@ -338,17 +393,18 @@ async def reattach_stream(request: web.Request) -> web.StreamResponse:
     """
     state = request.app[STATE]
     request_id = request.match_info["request_id"]
-    try:
-        start_index = int(request.query.get("from", "0"))
+    try:  # `from`, or the SSE standard's Last-Event-ID: a stream's event ids are resume indexes
+        start_index = int(request.query.get("from", request.headers.get("Last-Event-ID", "0")))
     except ValueError:
         raise bad_request("`from` must be an integer output index", param="from") from None
     if start_index < 0:
         raise bad_request("`from` must be >= 0", param="from")
     include_usage = request.query.get("include_usage", "false").lower() in ("1", "true", "yes")
     request_state = await state.store.request_state(request_id)
-    if request_state is None:
+    if request_state is None or not visible_to(request, request_state):
         raise unknown_request(request_id)
     record = request_state.record
+    ticket = state.admission.open_stream(request.get(CLIENT_KEY, OPEN_KEY_ID))
     answer = Answer(
         state,
         endpoint_of(request_id),
@@ -358,4 +414,7 @@ async def reattach_stream(request: web.Request) -> web.StreamResponse:
         start_index=start_index,
     )
     log.info("re-attached id=%s from=%d status=%s", request_id, start_index, request_state.status)
-    return await stream_answer(request, answer, include_usage, cancel_on_disconnect=False)
+    try:
+        return await stream_answer(request, answer, include_usage, cancel_on_disconnect=False)
+    finally:
+        ticket.close()

@@ -17,6 +17,12 @@ class GatewayMetrics:
             ["endpoint", "outcome"],
             registry=registry,
         )
+        self.refusals = Counter(
+            "iterserve_gateway_refusals",
+            "Error answers of every endpoint by HTTP status and error code (401 no key, 429 busy, ...)",
+            ["status", "code"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter("iterserve_gateway_prompt_tokens", "Prompt tokens accepted", registry=registry)
         self.completion_tokens = Counter(
             "iterserve_gateway_completion_tokens", "Output tokens delivered", registry=registry

@@ -70,28 +70,32 @@ class ChunkWriter:
         self.include_usage = include_usage
         self._base = {"id": request_id, "object": endpoint.chunk_object_name, "created": created, "model": model}
 
-    def _event(self, choices: list[dict], token_usage: dict | None = None) -> bytes:
+    def _event(self, choices: list[dict], token_usage: dict | None = None, event_id: int | None = None) -> bytes:
         chunk = {**self._base, "choices": choices}
         if self.include_usage:
             chunk["usage"] = token_usage  # null on every chunk but the last, as OpenAI does
-        return sse(chunk)
+        return sse(chunk, event_id)
 
     def role(self) -> bytes:
         """The first chat chunk: it names the role, as OpenAI's does."""
         delta = {"role": "assistant", "content": ""}
         return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
 
-    def text(self, text: str, finish_reason: str | None = None) -> bytes:
+    def text(self, text: str, finish_reason: str | None = None, resume_from: int | None = None) -> bytes:
+        """resume_from: the output index a reader that got this chunk re-attaches from (SSE `id:`)."""
         if self.endpoint.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._event([choice])
+        return self._event([choice], event_id=resume_from)
 
     def usage(self, token_usage: dict) -> bytes:
         return self._event([], token_usage)
 
 
-def sse(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+def sse(data: dict, event_id: int | None = None) -> bytes:
+    """One SSE event. Its `id:` (when given) is where the stream resumes: a client that lost its
+    connection re-attaches with GET /v1/requests/{id}/stream?from=<last id> (or Last-Event-ID)."""
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"

@@ -13,6 +13,7 @@ from services.gateway.metrics import GatewayMetrics
 from shared.config import Settings
 
 if TYPE_CHECKING:
+    from services.gateway.admission import Admission
     from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("iterserve.gateway")
@@ -29,7 +30,11 @@ class GatewayState:
     metrics: GatewayMetrics
     started_at: int  # unix seconds: the model's `created`
     store: Store | None = None  # opened on app startup
+    admission: "Admission | None" = None  # API keys and the limits on what callers may hold
     background: set[asyncio.Task] = field(default_factory=set)
+    # Set when the gateway shuts down: the connections it closes are not clients leaving, so their
+    # requests go on (a client re-attaches through another or a restarted gateway).
+    stopping: bool = False
 
     def cancel_in_background(self, request_id: str, reason: str) -> None:
         """Cancel a request from a handler that is itself being cancelled (its client went away)."""
@@ -55,4 +60,5 @@ class GatewayState:
 
 STATE = web.AppKey("gateway_state", GatewayState)
 ENDPOINT = web.RequestKey("endpoint", str)  # set by generation handlers: the error middleware counts per endpoint
+CLIENT_KEY = web.RequestKey("client_key", str)  # set by the access middleware: the caller's key id
 ANSWER = web.RequestKey("answer", object)  # the accepted request's Answer: counts its own outcome once

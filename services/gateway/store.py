@@ -256,6 +256,17 @@ class Store:
 
         return await self._call(read(), timeout)
 
+    async def scheduler_info(self, timeout: float = REDIS_TIMEOUT_SECONDS) -> SchedulerInfo | None:
+        """The scheduler's last heartbeat, or None (no scheduler, or a heartbeat that does not decode)."""
+        raw = await self._call(self.redis.get(keys.SCHEDULER_HEARTBEAT), timeout)
+        if raw is None:
+            return None
+        try:
+            return decode(SchedulerInfo, raw)
+        except WireError as error:
+            log.warning("bad scheduler heartbeat error=%s", error)
+            return None
+
     async def ping(self, timeout: float) -> bool:
         try:
             return bool(await self._call(self.redis.ping(), timeout))

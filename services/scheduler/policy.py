@@ -3,7 +3,8 @@
 Each worker is an independent replica with its own paged KV cache. For one worker at a time,
 `next_plan` picks the requests of its next iteration: its running requests first (decode steps,
 then prefill chunks, each first-come first-served), then waiting requests while the batch has
-room (max_batch_size requests, max_batch_tokens tokens, and KV blocks). `on_result` takes the
+room (max_batch_size requests, max_batch_tokens tokens, and KV blocks), taken round-robin across
+client keys (FCFS within a key) so one key's flood cannot starve another. `on_result` takes the
 worker's sampled tokens back and decides which requests finished, so a waiting request joins
 at the very next iteration. The "request" policy is the FasterTransformer-style baseline: a
 worker forms a batch only when it runs nothing, and nothing joins until the whole batch is done.
@@ -95,6 +96,10 @@ class SchedulerPolicy:
         self._clock = clock
         self._requests: dict[str, RequestState] = {}  # waiting and running
         self._waiting: list[tuple[float, int, str]] = []  # sorted by arrival: FCFS
+        # Fairness: when each client key last had a request admitted (an admission count), for the
+        # keys that have requests waiting; the key served longest ago goes first.
+        self._key_served_at: dict[str, int] = {}
+        self._admissions = 0
         self._workers: dict[str, WorkerState] = {}
         self._arrivals = 0
         self._next_plan_id = 1
@@ -155,6 +160,11 @@ class SchedulerPolicy:
     @property
     def waiting_count(self) -> int:
         return len(self._waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting requests will need prefilled (prompt, plus output when rebuilt)."""
+        return sum(self._requests[request_id].total_tokens for _, _, request_id in self._waiting)
 
     @property
     def running_count(self) -> int:
@@ -236,11 +246,23 @@ class SchedulerPolicy:
         log.warning("worker_reset worker_id=%s requeued=%d", worker_id, len(moved))
         return moved
 
-    def set_draining(self, worker_id: str, draining: bool) -> None:
+    def set_draining(self, worker_id: str, draining: bool) -> list[str]:
+        """A draining worker (stopping) gets no new request. Its running ones are handed over: they
+        wait again (FCFS place kept) to be rebuilt on a worker that takes requests, or, while there
+        is none, stay and finish where they are. Returns the ids handed over."""
         worker = self._workers.get(worker_id)
-        if worker is not None and worker.draining != draining:
+        if worker is None:
+            return []
+        if worker.draining != draining:
             worker.draining = draining
-            log.info("worker_draining worker_id=%s draining=%s", worker_id, draining)
+            log.info("worker_draining worker_id=%s draining=%s running=%d", worker_id, draining, len(worker.running))
+        if not (draining and worker.running and any(not other.draining for other in self._workers.values())):
+            return []
+        moved = list(worker.running)
+        for state in list(worker.running.values()):
+            self._requeue(worker, state)
+        log.info("handed_over worker_id=%s requeued=%d", worker_id, len(moved))
+        return moved
 
     def worker(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
@@ -356,11 +378,30 @@ class SchedulerPolicy:
             worker.kv_blocks_reserved += needed
         return True
 
+    def _fair_order(self) -> list[str]:
+        """Waiting requests in admission order: round-robin across client keys, FCFS within a key.
+
+        Round r takes the r-th oldest request of every key, the keys in the order they were last
+        served (never or longest ago first, then by their oldest request), so a key that floods
+        the queue gets one turn per round like any other. With one key this is plain FCFS.
+        """
+        by_key: dict[str, list[str]] = {}
+        for _, _, request_id in self._waiting:
+            by_key.setdefault(self._requests[request_id].record.client_key, []).append(request_id)
+        self._key_served_at = {key: served for key, served in self._key_served_at.items() if key in by_key}
+        if len(by_key) <= 1:
+            return [request_id for _, _, request_id in self._waiting]
+        turn = sorted(by_key, key=lambda key: self._key_served_at.get(key, -1))  # stable: oldest head first
+        order = []
+        for round_index in range(max(len(queue) for queue in by_key.values())):
+            order.extend(by_key[key][round_index] for key in turn if round_index < len(by_key[key]))
+        return order
+
     def _admit_waiting(self, batch: _Batch) -> None:
-        """Waiting requests join FCFS while the batch and the KV cache have room."""
+        """Waiting requests join in fair order while the batch and the KV cache have room."""
         worker = batch.worker
         claimed: dict[str, tuple[int, int]] = {}  # other workers: blocks, requests meant for them
-        for _, _, request_id in list(self._waiting):
+        for request_id in self._fair_order():
             if len(worker.running) >= self.max_batch_size:
                 break
             if self.policy == "iteration" and batch.budget <= 0:
@@ -384,7 +425,7 @@ class SchedulerPolicy:
                 claimed[target.worker_id] = (target_blocks + target.blocks_for(state.total_tokens), target_count + 1)
                 continue
             if blocks > worker.kv_blocks_free:
-                break  # the oldest waiting request waits for room; younger ones do not overtake it
+                break  # the next waiting request waits for room; the ones after it do not overtake it
             self._admit(batch, state, blocks)
 
     def _admission_target(self, state: RequestState, planning: WorkerState,
@@ -414,6 +455,8 @@ class SchedulerPolicy:
         worker.kv_blocks_reserved += blocks
         worker.running[state.request_id] = state
         batch.admitted.append(state.request_id)
+        self._admissions += 1
+        self._key_served_at[state.record.client_key] = self._admissions
         chunk = min(state.total_tokens, batch.budget)
         if chunk > 0:  # the request policy admits its whole batch even past the token budget
             batch.chunks[state.request_id] = chunk

@@ -209,10 +209,18 @@ class SchedulerService:
             if tail:
                 self._stream_ids[stream] = _text(tail[0][0])
         for _, fields in reversed(cancels):
-            request_id = _text(fields.get(b"id"))
+            request_id = keys.valid_request_id(fields.get(b"id"))
             if request_id:
                 self._early_cancels.add(request_id)
-        active_ids = sorted(_text(member) for member in active)
+        active_ids = []
+        for member in active:
+            request_id = keys.valid_request_id(member)
+            if request_id is None:
+                log.warning("malformed_active_id member=%r", member[:80])
+                self._queue("srem", keys.ACTIVE_REQUESTS_SET, member)
+            else:
+                active_ids.append(request_id)
+        active_ids.sort()
         for start in range(0, len(active_ids), LOAD_BATCH):
             await self.load_requests(active_ids[start : start + LOAD_BATCH])
         self._loaded = True
@@ -259,6 +267,8 @@ class SchedulerService:
             return
         try:
             record = decode(RequestRecord, raw_record)
+            if record.request_id != request_id:
+                raise WireError(f"RequestRecord: request_id {record.request_id!r} under the key of {request_id!r}")
         except WireError as error:
             log.error("malformed_record request_id=%s error=%s", request_id, error)
             self._xadd_event(request_id, TokenEvent(index=len(output_token_ids), token_id=-1, text="",
@@ -285,7 +295,14 @@ class SchedulerService:
     async def poll_workers(self) -> None:
         """Liveness: a worker is alive while its heartbeat key exists."""
         members = await bounded(self.redis.smembers(keys.WORKERS_SET), REDIS_SLACK_SECONDS)
-        worker_ids = sorted(_text(member) for member in members)
+        worker_ids = []
+        for member in members:
+            try:
+                worker_ids.append(member.decode())
+            except UnicodeDecodeError:
+                log.warning("malformed_worker_id member=%r", member[:80])
+                self._queue("srem", keys.WORKERS_SET, member)
+        worker_ids.sort()
         values = []
         if worker_ids:
             values = await bounded(
@@ -350,14 +367,14 @@ class SchedulerService:
         by_stream = {_text(stream): items for stream, items in entries or ()}
         for entry_id, fields in by_stream.get(keys.NEW_REQUESTS_STREAM, ()):
             self._stream_ids[keys.NEW_REQUESTS_STREAM] = _text(entry_id)
-            request_id = _text(fields.get(b"id"))
+            request_id = keys.valid_request_id(fields.get(b"id"))
             if not request_id:
                 log.warning("malformed_new_request entry=%s", _text(entry_id))
                 continue
             self._pending_new.append(request_id)
         for entry_id, fields in by_stream.get(keys.CANCEL_STREAM, ()):
             self._stream_ids[keys.CANCEL_STREAM] = _text(entry_id)
-            request_id = _text(fields.get(b"id"))
+            request_id = keys.valid_request_id(fields.get(b"id"))
             if not request_id:
                 log.warning("malformed_cancel entry=%s", _text(entry_id))
                 continue
@@ -474,6 +491,7 @@ class SchedulerService:
             pid=os.getpid(), policy=self.settings.policy, started_at=self.started_at, heartbeat_at=now,
             last_iteration_at=self.last_iteration_at, iterations=self.iterations,
             waiting=self.policy.waiting_count, running=self.policy.running_count,
+            waiting_tokens=self.policy.waiting_tokens,
         )
         self._queue("set", keys.SCHEDULER_HEARTBEAT, encode(info),
                     px=int(self.settings.scheduler_timeout_seconds * 1000))

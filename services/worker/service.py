@@ -30,7 +30,7 @@ from shared.wire import WireError, decode, encode
 
 log = logging.getLogger("iterserve.worker")
 
-PLAN_BLOCK_MS = 1000
+PLAN_BLOCK_MS = 250  # one wait for a plan: also how soon an idle worker notices a SIGTERM
 DRAIN_BLOCK_MS = 100  # while draining: look at the exit conditions this often
 EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregister
 PLANS_KEPT = 1000

@@ -1,0 +1,386 @@
+"""The gateway's OpenAPI 3.0 document (GET /openapi.json), written by hand from api_models.py.
+
+It says what a valid request is (the limits of this server included) and every answer an
+endpoint may give: tests/test_api_fuzz.py runs schemathesis against it on a live system.
+"""
+
+from typing import Any
+
+from services.gateway.api_models import SEED_RANGE
+from shared.config import Settings
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+JSON = "application/json"
+# One server-sent event (`data: <chunk JSON>`, the last one `data: [DONE]`), as OpenAPI tools parse it.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
+def _nullable(schema: dict) -> dict:
+    return {**schema, "nullable": True}
+
+
+def _error_responses(*statuses: int) -> dict[str, Any]:
+    why = {
+        400: "invalid request (the field is named in `param`)",
+        401: "missing or wrong API key",
+        404: "unknown model, request id or path",
+        413: "request body too large",
+        429: "busy (too many waiting requests or prompt tokens) or too many open requests for this key; "
+        "see Retry-After",
+        503: "Redis or the model unavailable, retry",
+    }
+    return {str(status): {"description": why[status], "content": {JSON: {"schema": ERROR}}} for status in statuses}
+
+
+def _generation_properties(settings: Settings, context_length: int) -> dict[str, Any]:
+    output_limit = settings.max_tokens_limit or context_length
+    max_tokens = {"type": "integer", "minimum": 1, "maximum": output_limit}
+    stop_string = {"type": "string", "minLength": 1, "maxLength": settings.max_stop_length}
+    return {
+        "max_tokens": _nullable(max_tokens),
+        "max_completion_tokens": _nullable(max_tokens),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": 2**31 - 1}),
+        "seed": _nullable({"type": "integer", "minimum": -SEED_RANGE, "maximum": 2 * SEED_RANGE - 1}),
+        "stop": _nullable(
+            {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": settings.max_stop_strings}]}
+        ),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable(
+            {"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}
+        ),
+        "n": _nullable({"type": "integer", "enum": [1]}),
+        "ignore_eos": _nullable({"type": "boolean", "description": "extension: do not stop at end-of-sequence"}),
+        "user": _nullable({"type": "string"}),
+    }
+
+
+def _schemas(settings: Settings, model_name: str, context_length: int, vocab_size: int) -> dict[str, Any]:
+    usage = {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {name: {"type": "integer", "minimum": 0}
+                       for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    }  # fmt: skip
+    finish_reason = {"type": "string", "enum": ["stop", "length", "cancelled"]}
+    model = {"type": "string", "enum": [model_name]}
+    generation = _generation_properties(settings, context_length)
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type", "param", "code"],
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": _nullable({"type": "string"}),
+                        "code": _nullable({"type": "string"}),
+                    },
+                }
+            },
+        },
+        "CompletionRequest": {
+            "type": "object",
+            "required": ["prompt"],
+            "properties": {
+                "model": model,
+                "prompt": {
+                    "oneOf": [
+                        {"type": "string", "minLength": 1},
+                        {
+                            "type": "array",
+                            "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+                            "minItems": 1,
+                        },
+                    ]
+                },
+                **generation,
+            },
+        },
+        "ChatCompletionRequest": {
+            "type": "object",
+            "required": ["messages"],
+            "properties": {
+                "model": model,
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {
+                            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                            "content": {
+                                "oneOf": [
+                                    {"type": "string"},
+                                    {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "required": ["type", "text"],
+                                            "properties": {
+                                                "type": {"type": "string", "enum": ["text"]},
+                                                "text": {"type": "string"},
+                                            },
+                                        },
+                                    },
+                                ]
+                            },
+                        },
+                    },
+                },
+                **generation,
+            },
+        },
+        "Completion": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["text_completion"]},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "text", "finish_reason"],
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "text": {"type": "string"},
+                            "finish_reason": finish_reason,
+                        },
+                    },
+                },
+                "usage": usage,
+            },
+        },
+        "ChatCompletion": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["chat.completion"]},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "message", "finish_reason"],
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "message": {
+                                "type": "object",
+                                "required": ["role", "content"],
+                                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+                            },
+                            "finish_reason": finish_reason,
+                        },
+                    },
+                },
+                "usage": usage,
+            },
+        },
+        "Model": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["model"]},
+                "created": {"type": "integer"},
+                "owned_by": {"type": "string"},
+                "max_model_len": {"type": "integer"},
+            },
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {
+                "object": {"type": "string", "enum": ["list"]},
+                "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
+            },
+        },
+        "RequestStatus": {
+            "type": "object",
+            "required": ["id", "object", "status"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["request"]},
+                "status": {"type": "string", "enum": ["waiting", "running", "finished", "cancelled", "failed"]},
+                "finish_reason": _nullable({"type": "string"}),
+                "created": _nullable({"type": "integer"}),
+                "model": {"type": "string"},
+                "prompt_tokens": _nullable({"type": "integer"}),
+                "max_tokens": _nullable({"type": "integer"}),
+                "token_events": {"type": "integer", "minimum": 0},
+            },
+        },
+        "RequestCancel": {
+            "type": "object",
+            "required": ["id", "object", "status", "cancelled"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"type": "string", "enum": ["request.cancel"]},
+                "status": {"type": "string"},
+                "cancelled": {"type": "boolean"},
+            },
+        },
+        "Health": {
+            "type": "object",
+            "required": ["status"],
+            "properties": {
+                "status": {"type": "string", "enum": ["ok", "unavailable"]},
+                "missing": {"type": "array", "items": {"type": "string"}},
+                "reason": {"type": "string"},
+                "model": {"type": "string"},
+                "workers": {"type": "integer"},
+                "waiting": {"type": "integer"},
+                "running": {"type": "integer"},
+            },
+        },
+    }
+
+
+def _generation_operation(summary: str, request_schema: str, response_schema: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {
+            "required": True,
+            "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{request_schema}"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "the whole answer, or with `stream: true` server-sent events ending with `data: [DONE]`",
+                "content": {
+                    JSON: {"schema": {"$ref": f"#/components/schemas/{response_schema}"}},
+                    "text/event-stream": {"schema": SSE_EVENT},
+                },
+            },
+            **_error_responses(400, 401, 404, 413, 429, 503),
+        },
+    }
+
+
+def openapi_document(settings: Settings, model_name: str, keys_required: bool, context_length: int,
+                     vocab_size: int) -> dict[str, Any]:
+    """The document; `security` is set only when the server requires API keys."""
+    request_id = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    model_name = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string"}}
+    observability_errors = _error_responses(401) if keys_required and settings.protect_observability else {}
+    document: dict[str, Any] = {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "iterserve",
+            "version": "1",
+            "description": "OpenAI-compatible API of an Orca-style (iteration-level scheduling) inference server.",
+        },
+        "paths": {
+            "/v1/completions": {
+                "post": _generation_operation("Complete a prompt", "CompletionRequest", "Completion"),
+            },
+            "/v1/chat/completions": {
+                "post": _generation_operation("Answer a conversation", "ChatCompletionRequest", "ChatCompletion"),
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model",
+                    "responses": {
+                        "200": {"description": "one model", "content": {JSON: {"schema": {
+                            "$ref": "#/components/schemas/ModelList"}}}},
+                        **_error_responses(401),
+                    },
+                },
+            },
+            "/v1/models/{model_name}": {
+                "get": {
+                    "summary": "One model (only the served one exists)",
+                    "parameters": [model_name],
+                    "responses": {
+                        "200": {"description": "the model", "content": {JSON: {"schema": {
+                            "$ref": "#/components/schemas/Model"}}}},
+                        **_error_responses(401, 404),
+                    },
+                },
+            },
+            "/v1/requests/{request_id}": {
+                "get": {
+                    "summary": "A request's status (only for the key that sent it)",
+                    "parameters": [request_id],
+                    "responses": {
+                        "200": {"description": "its status", "content": {JSON: {"schema": {
+                            "$ref": "#/components/schemas/RequestStatus"}}}},
+                        **_error_responses(401, 404, 503),
+                    },
+                },
+                "delete": {
+                    "summary": "Cancel a request (harmless once it ended)",
+                    "parameters": [request_id],
+                    "responses": {
+                        "200": {"description": "cancel sent, or the request had ended", "content": {JSON: {"schema": {
+                            "$ref": "#/components/schemas/RequestCancel"}}}},
+                        **_error_responses(401, 404, 503),
+                    },
+                },
+            },
+            "/v1/requests/{request_id}/stream": {
+                "get": {
+                    "summary": "Re-attach to a request's output from an index (server-sent events)",
+                    "parameters": [
+                        request_id,
+                        {"name": "from", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 0}},
+                        {"name": "include_usage", "in": "query", "required": False, "schema": {"type": "boolean"}},
+                    ],
+                    "responses": {
+                        "200": {"description": "the output as server-sent events",
+                                "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+                        **_error_responses(400, 401, 404, 429, 503),
+                    },
+                },
+            },
+            "/health": {
+                "get": {
+                    "summary": "200 when Redis, the scheduler and a worker are alive and requests move",
+                    "security": [],
+                    "responses": {
+                        "200": {"description": "healthy", "content": {JSON: {"schema": {
+                            "$ref": "#/components/schemas/Health"}}}},
+                        "503": {"description": "unhealthy: `missing` says what", "content": {JSON: {"schema": {
+                            "$ref": "#/components/schemas/Health"}}}},
+                    },
+                },
+            },
+            "/status": {
+                "get": {
+                    "summary": "Workers, waiting and running requests",
+                    **({} if observability_errors else {"security": []}),
+                    "responses": {
+                        "200": {"description": "the cluster", "content": {JSON: {"schema": {"type": "object"}}}},
+                        **observability_errors,
+                        **_error_responses(503),
+                    },
+                },
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    **({} if observability_errors else {"security": []}),
+                    "responses": {
+                        "200": {"description": "text exposition format",
+                                "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        **observability_errors,
+                    },
+                },
+            },
+        },
+        "components": {"schemas": _schemas(settings, model_name, context_length, vocab_size)},
+    }
+    if keys_required:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document

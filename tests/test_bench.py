@@ -1,0 +1,383 @@
+"""The load generator: arrivals, workloads, metrics, the streaming client, and one real run."""
+
+import asyncio
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from services.bench.arrivals import arrival_offsets
+from services.bench.cli import duration_seconds, rate
+from services.bench.client import RequestResult
+from services.bench.experiments import headline_ratio, throughput_at_latency, throughput_ratios
+from services.bench.metrics import distribution, meets, percentile, summarize
+from services.bench.runner import BenchConfig, cancel_plan, run_benchmark
+from services.bench.workloads import BenchRequest, PromptSource, WorkloadConfig, build_requests, draw_lengths
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.tokenizer import Tokenizer
+
+    return Tokenizer.load()
+
+
+# Arrivals
+
+
+def test_same_seed_gives_the_same_arrivals_and_another_seed_does_not():
+    assert arrival_offsets(50, 2.0, seed=7) == arrival_offsets(50, 2.0, seed=7)
+    assert arrival_offsets(50, 2.0, seed=7) != arrival_offsets(50, 2.0, seed=8)
+
+
+def test_poisson_arrivals_have_the_asked_mean_rate_and_exponential_gaps():
+    offsets = arrival_offsets(20001, 4.0, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and all(gap >= 0 for gap in gaps)
+    assert 20000 / offsets[-1] == pytest.approx(4.0, rel=0.03), "mean rate differs from the asked 4 req/s"
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, abs=0.05), "Poisson gaps have a CV of 1"
+
+
+def test_gamma_burstiness_keeps_the_rate_and_changes_the_spread():
+    bursty = np.diff(arrival_offsets(20001, 4.0, burstiness=0.25, seed=2))
+    even = np.diff(arrival_offsets(20001, 4.0, burstiness=4.0, seed=2))
+    for gaps in (bursty, even):
+        assert 1 / np.mean(gaps) == pytest.approx(4.0, rel=0.05)
+    assert np.std(bursty) / np.mean(bursty) == pytest.approx(2.0, rel=0.1), "CV of gamma(k) gaps is 1/sqrt(k)"
+    assert np.std(even) / np.mean(even) == pytest.approx(0.5, rel=0.1)
+
+
+def test_infinite_rate_sends_everything_at_once_and_bad_rates_are_refused():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    assert arrival_offsets(0, 1.0) == []
+    with pytest.raises(ValueError):
+        arrival_offsets(5, 0.0)
+    with pytest.raises(ValueError):
+        arrival_offsets(5, 1.0, burstiness=0)
+
+
+# Workloads
+
+
+def test_orca_lengths_are_uniform_over_the_paper_ranges_and_repeatable():
+    inputs, outputs = draw_lengths(WorkloadConfig("orca"), 20000, seed=3)
+    assert (min(inputs), max(inputs)) == (32, 512) and (min(outputs), max(outputs)) == (1, 128)
+    assert statistics.mean(inputs) == pytest.approx(272, rel=0.02)
+    assert statistics.mean(outputs) == pytest.approx(64.5, rel=0.02)
+    assert draw_lengths(WorkloadConfig("orca"), 100, seed=3) == draw_lengths(WorkloadConfig("orca"), 100, seed=3)
+
+
+def test_orca_ranges_can_be_scaled_down():
+    inputs, outputs = draw_lengths(WorkloadConfig("orca", input_range=(32, 128), output_range=(1, 32)), 5000, seed=0)
+    assert (min(inputs), max(inputs), min(outputs), max(outputs)) == (32, 128, 1, 32)
+
+
+def test_chat_lengths_are_long_tailed_and_clipped():
+    config = WorkloadConfig("chat")
+    inputs, outputs = draw_lengths(config, 20000, seed=4)
+    for values, (low, high), median in ((inputs, config.inputs, 128), (outputs, config.outputs, 64)):
+        assert low <= min(values) and max(values) <= high
+        assert statistics.median(values) == pytest.approx(median, rel=0.05)
+        assert statistics.mean(values) > 1.3 * statistics.median(values), "a long tail lifts the mean"
+        assert percentile(values, 99) > 5 * statistics.median(values)
+
+
+def test_bad_workloads_are_refused():
+    with pytest.raises(ValueError):
+        WorkloadConfig("nope")
+    with pytest.raises(ValueError):
+        WorkloadConfig("orca", input_range=(10, 5))
+
+
+def test_completion_prompts_are_real_text_of_exactly_the_drawn_length(tokenizer):
+    source = PromptSource(tokenizer)
+    requests = build_requests(WorkloadConfig("orca"), 20, seed=5, source=source)
+    inputs, outputs = draw_lengths(WorkloadConfig("orca"), 20, seed=5)
+    assert [len(request.prompt) for request in requests] == inputs
+    assert [request.max_tokens for request in requests] == outputs
+    assert len({request.prompt for request in requests}) == 20, "prompts start at different places"
+    assert " the " in tokenizer.decode(requests[0].prompt)
+    body = requests[0].body("m", 0.0)
+    assert body["ignore_eos"] is True and body["max_tokens"] == outputs[0] and body["stream"] is True
+    assert [r.prompt for r in build_requests(WorkloadConfig("orca"), 20, seed=5, source=source)] == \
+           [r.prompt for r in requests]
+
+
+def test_chat_prompts_are_text_that_encodes_back_to_the_wanted_length(tokenizer):
+    source = PromptSource(tokenizer)
+    requests = build_requests(WorkloadConfig("chat"), 30, seed=6, source=source)
+    exact = 0
+    for request in requests:
+        content = request.messages[0]["content"]
+        wanted = request.prompt_tokens - source.chat_overhead
+        exact += len(tokenizer.encode(content)) == wanted
+        templated = len(tokenizer.encode_chat(list(request.messages)))
+        assert abs(templated - request.prompt_tokens) <= 3, (templated, request.prompt_tokens)
+    assert exact >= 27, f"only {exact}/30 chat prompts round-trip to their length"
+
+
+def test_cancel_plan_picks_the_fraction_half_way_and_repeatably():
+    requests = [BenchRequest(index, "completions", 32, max_tokens, 0, prompt=(1,))
+                for index, max_tokens in enumerate([1, 10, 20, 30, 40, 50, 60, 70, 80, 90])]
+    plan = cancel_plan(requests, 0.3, seed=1)
+    assert len(plan) == 3 and 0 not in plan, "a one-token request cannot be cancelled half-way"
+    assert all(after == requests[index].max_tokens // 2 for index, after in plan.items())
+    assert plan == cancel_plan(requests, 0.3, seed=1)
+    assert cancel_plan(requests, 0.0, seed=1) == {}
+
+
+# Metrics
+
+
+def test_percentile_matches_numpy():
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert math.isnan(percentile([], 50))
+    assert distribution([1.0, 3.0], scale=1000)["mean"] == 2000.0
+
+
+def finished(index, sent, first, chunk_times, end, tokens, reason="length", **extra) -> RequestResult:
+    return RequestResult(index, prompt_tokens=100, max_tokens=tokens, sent_at=sent, first_token_at=first,
+                         chunk_times=chunk_times, finished_at=end, output_tokens=tokens, finish_reason=reason, **extra)
+
+
+def test_summary_of_synthetic_requests():
+    results = [
+        finished(0, 0.0, 0.5, [0.5, 0.6, 0.7, 0.8, 0.9], 0.9, 5),  # TTFT 0.5, TPOT 0.1, e2e 0.9
+        finished(1, 1.0, 1.2, [1.2, 1.5, 1.8], 1.8, 3),  # TTFT 0.2, TPOT 0.3, e2e 0.8
+        finished(2, 2.0, 2.1, [2.1, 2.2], 2.2, 4, cancelled=True),  # cancelled: no latency, no throughput
+        finished(3, 2.0, None, [], 4.0, 0, reason=None, error="HTTP 503"),
+    ]
+    summary = summarize(results, ttft_slo=0.3, tpot_slo=0.2)
+    assert (summary["completed"], summary["cancelled"], summary["failed"]) == (2, 1, 1)
+    assert summary["errors"] == ["HTTP 503"]
+    assert summary["duration_s"] == pytest.approx(4.0)
+    assert summary["request_throughput"] == pytest.approx(2 / 4.0)
+    assert summary["output_token_throughput"] == pytest.approx(8 / 4.0)
+    assert summary["delivered_token_throughput"] == pytest.approx(12 / 4.0)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(350)
+    assert summary["tpot_ms"]["p50"] == pytest.approx(200)
+    assert summary["e2e_s"]["mean"] == pytest.approx(0.85)
+    assert summary["itl_ms"]["max"] == pytest.approx(300)
+    assert summary["itl_ms"]["mean"] == pytest.approx((4 * 100 + 2 * 300) / 6)
+    # Orca's normalized latency: e2e / output tokens = 0.9/5 and 0.8/3 s per token
+    assert summary["normalized_latency_ms_per_token"]["mean"] == pytest.approx((180 + 266.667) / 2, rel=1e-4)
+    # Goodput: request 0 misses TTFT (0.5 > 0.3), request 1 misses TPOT (0.3 > 0.2): none good
+    assert summary["goodput"] == 0.0
+    assert summarize(results, ttft_slo=0.6)["goodput"] == pytest.approx(2 / 4.0)
+    assert summarize(results)["goodput"] is None
+
+
+def test_one_token_requests_have_no_tpot_and_meet_a_tpot_target():
+    single = finished(0, 0.0, 0.4, [0.4], 0.4, 1)
+    assert single.tpot is None and single.itls == []
+    assert meets(single, ttft_slo=None, tpot_slo=0.001)
+    assert not meets(single, ttft_slo=0.1, tpot_slo=None)
+
+
+def test_throughput_at_equal_latency_interpolates_each_policy_frontier():
+    iteration = [{"normalized_latency_p50_ms": latency, "request_throughput": throughput}
+                 for latency, throughput in ((50, 1.0), (60, 2.0), (100, 3.0))]
+    request = [{"rate": offered, "normalized_latency_p50_ms": latency, "request_throughput": throughput}
+               for offered, latency, throughput in ((0.5, 200, 0.5), (2.0, 400, 1.0))]
+    assert throughput_at_latency(iteration, 80) == (pytest.approx(2.5), False)
+    assert throughput_at_latency(iteration, 40) == (None, False)
+    assert throughput_at_latency(iteration, 300) == (3.0, True), "beyond the last point: a lower bound"
+    rows = throughput_ratios(iteration, request)
+    assert [row["ratio"] for row in rows] == [pytest.approx(6.0), pytest.approx(3.0)]
+    assert all(row["lower_bound"] for row in rows)
+    assert headline_ratio(rows)["rate"] == 2.0, "the headline is at the request policy's most loaded point"
+
+
+def test_cli_units():
+    assert duration_seconds("500") == 0.5 and duration_seconds("500ms") == 0.5 and duration_seconds("2s") == 2.0
+    assert rate("inf") == math.inf and rate("2.5") == 2.5
+
+
+# The client and runner against a fake gateway that streams like the real one
+
+
+CANCELLED = web.AppKey("cancelled", list)
+
+
+def fake_gateway(tokens_per_request: int = 6, gap: float = 0.01) -> web.Application:
+    cancelled: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        request_id = f"cmpl-{len(body['prompt'])}-{body['seed']}"
+        count = min(tokens_per_request, body["max_tokens"])
+        try:
+            for index in range(count):
+                await asyncio.sleep(gap)
+                finish = "length" if index == count - 1 else None
+                chunk = {"id": request_id, "choices": [{"index": 0, "text": f" t{index}", "finish_reason": finish}],
+                         "usage": None}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await response.write(b": keep-alive\n\n")
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": count, "total_tokens": 0}
+            await response.write(b"data: " + json.dumps({"id": request_id, "choices": [], "usage": usage}).encode()
+                                 + b"\n\n" + b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            cancelled.append(request_id)
+            raise
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app[CANCELLED] = cancelled
+    return app
+
+
+async def test_runner_streams_times_and_cancels_against_a_fake_gateway():
+    from aiohttp.test_utils import TestServer
+
+    app = fake_gateway()
+    async with TestServer(app, host="127.0.0.1") as server:
+        requests = [BenchRequest(index, "completions", 8 + index, 6, index, prompt=tuple(range(1, 9 + index)))
+                    for index in range(6)]
+        config = BenchConfig(url=str(server.make_url("")), num_requests=6, rate=50.0, seed=1, cancel_fraction=0.34,
+                             warmup=0, progress=False, ttft_slo=1.0)
+        report = await run_benchmark(config, requests)
+        await asyncio.sleep(0.1)
+    summary = report["summary"]
+    assert (summary["completed"], summary["cancelled"], summary["failed"]) == (4, 2, 0), summary["errors"]
+    records = report["requests"]
+    for record in records:
+        if record["cancelled"]:
+            assert record["output_tokens"] == 3 and len(record["chunk_times"]) == 3, "cancelled half-way"
+        else:
+            assert record["output_tokens"] == 6 and record["finish_reason"] == "length"
+            assert record["prompt_tokens"] == 8 + record["index"], "prompt tokens come from usage"
+            assert record["first_token_at"] > record["sent_at"] and record["finished_at"] >= record["chunk_times"][-1]
+    assert len(app[CANCELLED]) == 2, "closing the stream is seen by the server"
+    assert summary["ttft_ms"]["p50"] > 5 and summary["itl_ms"]["p50"] >= 5
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    assert report["config"]["rate"] == 50.0 and "6 requests" in report["description"]
+
+
+# The real thing
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_command_against_the_whole_system(tmp_path):
+    from tests.system import System
+
+    output = tmp_path / "run.json"
+    with System(workers=1, kv_blocks=128) as system:
+        command = [sys.executable, "-m", "services.cli", "bench", "--url", system.base_url, "--workload", "orca",
+                   "--rate", "4", "--num-requests", "6", "--seed", "3", "--input-range", "32", "64",
+                   "--output-range", "2", "8", "--ttft-slo", "30s", "--tpot-slo", "5s", "--cancel-fraction", "0.2",
+                   "--output", str(output), "--no-progress"]
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(output.read_text())
+    summary = report["summary"]
+    assert summary["requests"] == 6 and summary["failed"] == 0, summary["errors"]
+    assert summary["cancelled"] == 1 and summary["completed"] == 5
+    assert summary["request_throughput"] > 0 and summary["output_token_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_s", "normalized_latency_ms_per_token"):
+        assert set(summary[key]) >= {"mean", "p50", "p99"} and summary[key]["p50"] > 0, key
+    assert summary["goodput"] is not None and 0 <= summary["slo_attainment"] <= 1
+    for record in report["requests"]:
+        if not record["cancelled"]:
+            assert record["output_tokens"] == record["max_tokens"], "ignore_eos forces the output length"
+            assert 32 <= record["prompt_tokens"] <= 64
+    assert report["server"]["policy"] == "iteration" and report["server"]["workers"] == 1
+    assert "| normalized latency (ms/token) |" in completed.stdout
+
+
+# Experiment 2's timeline, and the experiments' report, on synthetic data
+
+
+def test_timeline_splits_a_worker_window_into_engine_transport_and_scheduler():
+    from services.bench.overhead import timeline
+
+    rows = [  # plan left at started_at, result taken at finished_at, step_s in the engine
+        {"worker_id": "w", "plan_id": 1, "started_at": 10.0, "finished_at": 10.5, "step_s": 0.4, "batch_size": 2,
+         "prefill_tokens": 100, "decode_tokens": 0},
+        {"worker_id": "w", "plan_id": 2, "started_at": 10.6, "finished_at": 11.0, "step_s": 0.3, "batch_size": 2,
+         "prefill_tokens": 0, "decode_tokens": 2},
+        {"worker_id": "w", "plan_id": 3, "started_at": 11.0, "finished_at": 11.2, "step_s": None, "batch_size": 1,
+         "prefill_tokens": 0, "decode_tokens": 1},  # its result was trimmed from Redis: left out
+    ]
+    split = timeline(rows)
+    assert split["iterations"] == 2 and split["workers"] == 1
+    assert split["window_s"] == pytest.approx(1.0)
+    assert split["engine_s"] == pytest.approx(0.7)
+    assert split["transport_s"] == pytest.approx(0.2)
+    assert split["scheduler_s"] == pytest.approx(0.1)
+    assert split["mean_batch_size"] == 2
+
+
+def synthetic_report(spread: float, cancelled: int = 0, e2e: float = 0.6) -> dict:
+    """Six requests sent `spread` seconds apart, each 5 tokens in `e2e` seconds."""
+    results = [finished(index, index * spread, index * spread + 0.2, [index * spread + 0.2 + k * 0.1 for k in range(5)],
+                        index * spread + e2e, 5, cancelled=index < cancelled) for index in range(6)]
+    return {"summary": summarize(results, 2.0, 0.25), "system": "--policy iteration --workers 1", "cpu_seconds": {
+        "worker": 3.0, "scheduler": 0.2, "bench client": 0.1}}
+
+
+def test_experiments_report_renders_every_section(tmp_path):
+    from services.bench.experiments import _point, render
+
+    saturation = synthetic_report(0.0)
+    results = {
+        "sizes": {"name": "quick", "workload": "orca: ...", "note": "toy"}, "seed": 0, "command": "x",
+        "machine": {"cpu": "cpu", "cores": 2, "platform": "linux", "python": "3.11"},
+        "capacity_requests_per_s": 2.0, "elapsed_s": 60,
+        "orca_vs_request": {
+            "iteration": [_point(synthetic_report(1.0), 1.0), _point(synthetic_report(0.5), 2.0)],
+            "request": [_point(synthetic_report(1.0, e2e=0.8), 1.0), _point(synthetic_report(0.9, e2e=1.0), 2.0)]},
+        "overhead": {
+            "system_run": saturation,
+            "timeline": {"iterations": 10, "window_s": 0.6, "engine_s": 0.5, "transport_s": 0.05, "scheduler_s": 0.05,
+                         "workers": 1, "mean_batch_size": 4.0, "engine_ms_per_iteration": 50.0},
+            "microbenchmarks": {"batch_size": 4, "plan_bytes": 500, "result_bytes": 300, "serialization_ms": 0.1,
+                                "detokenization_ms": 0.01, "token_events_ms": 0.02, "redis_ping_ms": 0.05},
+            "engine_alone": {"output_token_throughput_engine": 60.0, "output_token_throughput_replay": 58.0,
+                             "iterations": 9, "mean_batch_size": 4.4, "mean_step_ms": 45.0, "step_s": 0.4,
+                             "output_tokens": 30, "scheduling_ms_per_iteration": 0.5}},
+        "cancellation": {"rate": 1.6, "runs": {"0.0": synthetic_report(0.6),
+                                               "0.3": synthetic_report(0.6, cancelled=2)}},
+        "scaling": {"rate": 1.6, "one_worker": {"saturation": saturation, "at_rate": synthetic_report(0.6)},
+                    "two_workers": {"saturation": synthetic_report(0.0),
+                                    "at_rate": synthetic_report(0.6)}},
+    }
+    text = render(results, tmp_path)
+    for heading in ("## 1. Orca", "## 2. Serving overhead", "## 3. Horizontal scaling", "## 4. Cancellation"):
+        assert heading in text
+    assert "System / engine alone" in text and "| worker | 3.0 |" in text
+    assert results["orca_headline"]["rate"] == 2.0
+
+
+def test_a_full_run_rewrites_only_the_readme_headline_block(tmp_path, monkeypatch):
+    from services.bench import experiments
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n\n{experiments.README_START}\nold\n{experiments.README_END}\n\nafter\n")
+    monkeypatch.setattr(experiments, "README", readme)
+    results = {"machine": {"cpu": "Some CPU", "cores": 2, "platform": "linux", "python": "3.11"}, "command": "c",
+               "sizes": {"workload": "orca"}, "orca_headline": {"latency_ms": 300, "ratio": 2.5, "lower_bound": False},
+               "orca_vs_request": {"iteration": [_point_for_readme()]}}
+    experiments.update_readme(results, tmp_path)
+    text = readme.read_text()
+    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
+    assert "Some CPU, 2 cores" in text and "**2.50x**" in text and "| iteration |" in text
+
+
+def _point_for_readme() -> dict:
+    from services.bench.experiments import _point
+
+    return _point(synthetic_report(0.5), 2.0)

@@ -1,0 +1,729 @@
+"""Chaos suite: faults injected into the running services (real processes, real model, a private
+Redis, all on 127.0.0.1), and what must hold afterwards: nothing lost, nothing duplicated, every
+output unchanged.
+
+Greedy and seeded requests are deterministic (the randomness of token k is a function of the
+request's seed and k only), so each scenario's outputs are compared with a fault-free run of the
+same requests (the module's `baseline`). Each test runs its own Cluster (tests/cluster.py): every
+process it started is killed and reaped when the test ends, pass or fail.
+
+What each fault costs is measured as it runs and printed at the end of the module (README,
+"Faults: what each costs"); with ITERSERVE_CHAOS_REPORT=path it is also written there as JSON:
+
+    ITERSERVE_CHAOS_REPORT=/tmp/chaos.json .venv/bin/python -m pytest -m chaos -s tests/test_chaos.py
+"""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import psutil
+import pytest
+
+from shared import keys
+from shared.messages import IterationRecord, RequestRecord, TokenEvent
+from shared.wire import decode
+from tests.cluster import Cluster
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "smollm2-135m-instruct"
+FINISH_SECONDS = 180  # a scenario's requests all end within this, or something is stuck
+REPORT: dict[str, dict] = {}  # what each fault cost, filled by the tests
+
+# Workloads
+
+SUBJECTS = ["the sea", "a lighthouse keeper", "fresh bread", "volcanoes", "the moon", "a lost key", "winter mornings",
+            "old trains", "honey bees", "a quiet library", "chess", "summer rain", "mountain goats", "the desert",
+            "paper boats", "a robot cook", "northern lights", "city traffic", "a violin", "coffee"]
+TEMPLATES = ["Tell me about {}.", "Write one sentence about {}.", "Once upon a time, {}",
+             "Q: What do you know about {}?\nA:", "Here is a short poem about {}:\n",
+             "Explain to a child why {} matters, in simple words, with one example and one question at the end."]
+
+
+def prompt(index: int) -> str:
+    subject = SUBJECTS[(index // len(TEMPLATES)) % len(SUBJECTS)]
+    return f"{index}. " + TEMPLATES[index % len(TEMPLATES)].format(subject)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request; `seed` is always sent (greedy ignores it) and is unique: it finds the request
+    in Redis for a client that has no id yet."""
+
+    name: str
+    prompt: str
+    max_tokens: int
+    seed: int
+    temperature: float = 0.0
+    ignore_eos: bool = False
+
+    def body(self, stream: bool) -> dict:
+        body = {"model": MODEL, "prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
+                "temperature": self.temperature, "stream": stream}
+        if self.temperature:
+            body["top_p"] = 0.95
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+def mixed(prefix: str, count: int, first_prompt: int, first_seed: int, max_tokens: Callable[[int], int],
+          ignore_eos: bool = False) -> list[Spec]:
+    """Even ones greedy, odd ones seeded sampling."""
+    return [Spec(f"{prefix}-{index}", prompt(first_prompt + index), max_tokens(index), first_seed + index,
+                 temperature=0.8 if index % 2 else 0.0, ignore_eos=ignore_eos) for index in range(count)]
+
+
+# Long enough (40 tokens each, ignore_eos) that a fault lands mid-run.
+FAULT_WORKLOAD = mixed("fault", 12, 0, 1000, lambda index: 40, ignore_eos=True)
+EXTRA = mixed("extra", 2, 40, 2000, lambda index: 12, ignore_eos=True)  # submitted while a service is down
+PRESSURE = mixed("pressure", 8, 60, 3000, lambda index: 48, ignore_eos=True)  # more KV than one small worker has
+
+
+@dataclass(frozen=True)
+class StormRequest:
+    spec: Spec
+    stream: bool
+    arrive_after: float  # seconds after the storm starts
+    cancel: str | None  # None, "delete" or "disconnect"
+    cancel_after: float  # seconds after it arrives
+
+
+def storm_plan(count: int = 200, seed: int = 4) -> list[StormRequest]:
+    rng = random.Random(seed)
+    specs = mixed("storm", count, 500, 5000, lambda index: rng.randint(4, 24))
+    cancelled = set(rng.sample(range(count), count // 2))
+    plan = []
+    for index, spec in enumerate(specs):
+        how = rng.choice(["delete", "disconnect"]) if index in cancelled else None
+        plan.append(StormRequest(spec, stream=rng.random() < 0.5, arrive_after=rng.uniform(0, 3), cancel=how,
+                                 cancel_after=rng.uniform(0, 4)))
+    return plan
+
+
+STORM = storm_plan()
+
+
+# Clients
+
+
+@dataclass
+class Output:
+    """What one client received."""
+
+    request_id: str | None = None
+    pieces: list[tuple[int | None, str, float]] = field(default_factory=list)  # (SSE id, text, monotonic time)
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    resume_from: int = 0  # the last SSE id seen: where a re-attach starts
+    reattached: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(text for _, text, _ in self.pieces)
+
+
+def session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=FINISH_SECONDS, sock_connect=5))
+
+
+async def sse_events(response: aiohttp.ClientResponse):
+    """(id or None, data) of each SSE event."""
+    event_id, data = None, None
+    async for raw in response.content:
+        line = raw.decode().rstrip("\r\n")
+        if not line:
+            if data is not None:
+                yield event_id, data
+            event_id, data = None, None
+        elif line.startswith("id: "):
+            event_id = int(line.removeprefix("id: "))
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+
+
+async def read_stream(response: aiohttp.ClientResponse, output: Output) -> None:
+    """Take the stream's events into `output`, checking that no event is seen twice."""
+    assert response.status == 200, f"{output.request_id}: HTTP {response.status}: {await response.text()}"
+    output.request_id = output.request_id or response.headers["X-Request-Id"]
+    async for event_id, data in sse_events(response):
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        assert "error" not in chunk, f"{output.request_id}: {chunk}"
+        if chunk.get("usage"):
+            output.completion_tokens = chunk["usage"]["completion_tokens"]
+        if not chunk["choices"]:
+            continue
+        choice = chunk["choices"][0]
+        if event_id is not None:
+            assert event_id > output.resume_from, f"{output.request_id}: event {event_id} after {output.resume_from}"
+            output.resume_from = event_id
+        output.pieces.append((event_id, choice["text"], time.monotonic()))
+        if choice["finish_reason"]:
+            output.finish_reason = choice["finish_reason"]
+    raise aiohttp.ClientPayloadError(f"{output.request_id}: stream ended without [DONE]")
+
+
+async def stream_request(http: aiohttp.ClientSession, cluster: Cluster, spec: Spec, output: Output,
+                         reattach: bool = False) -> Output:
+    """A streaming client; with reattach, one whose gateway may vanish: it re-attaches from the last
+    SSE id it got (GET /v1/requests/{id}/stream?from=N) until the request ends."""
+    body = {**spec.body(stream=True), "stream_options": {"include_usage": True}}
+    async with http.post(f"{cluster.base_url}/v1/completions", json=body) as response:
+        try:
+            await read_stream(response, output)
+            return output
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+            if not reattach:
+                raise
+    deadline = time.monotonic() + FINISH_SECONDS
+    while True:
+        output.reattached += 1
+        url = f"{cluster.base_url}/v1/requests/{output.request_id}/stream"
+        try:
+            params = {"from": str(output.resume_from), "include_usage": "true"}
+            async with http.get(url, params=params) as response:
+                await read_stream(response, output)
+                return output
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+            assert time.monotonic() < deadline, f"{output.request_id}: could not re-attach"
+            await asyncio.sleep(0.2)
+
+
+async def whole_request(http: aiohttp.ClientSession, cluster: Cluster, spec: Spec, output: Output) -> Output:
+    async with http.post(f"{cluster.base_url}/v1/completions", json=spec.body(stream=False)) as response:
+        body = await response.json()
+        assert response.status == 200, f"{spec.name}: HTTP {response.status}: {body}"
+    output.request_id = body["id"]
+    output.pieces.append((None, body["choices"][0]["text"], time.monotonic()))
+    output.finish_reason = body["choices"][0]["finish_reason"]
+    output.completion_tokens = body["usage"]["completion_tokens"]
+    return output
+
+
+async def run_all(cluster: Cluster, specs: list[Spec], fault: Callable[[dict[str, Output]], Awaitable[None]],
+                  stream: bool = True, reattach: bool = False) -> dict[str, Output]:
+    """Every spec as a concurrent client, and `fault` beside them; all must end in FINISH_SECONDS."""
+    outputs = {spec.name: Output() for spec in specs}
+    async with session() as http:
+        clients = [stream_request(http, cluster, spec, outputs[spec.name], reattach) if stream
+                   else whole_request(http, cluster, spec, outputs[spec.name]) for spec in specs]
+        async with asyncio.timeout(FINISH_SECONDS):
+            await asyncio.gather(fault(outputs), *clients)
+    return outputs
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def all_have(outputs: dict[str, Output], pieces: int) -> Callable[[], bool]:
+    return lambda: all(len(output.pieces) >= pieces for output in outputs.values())
+
+
+# What must hold after a fault
+
+
+def check_same_as_baseline(outputs: dict[str, Output], baseline: dict[str, Output], what: str) -> None:
+    for name, output in outputs.items():
+        expected = baseline[name]
+        assert (output.text, output.finish_reason) == (expected.text, expected.finish_reason), (
+            f"{what}: {name} ({output.request_id}) differs from its fault-free run:\n"
+            f"  got      {output.finish_reason} {output.text!r}\n  expected {expected.finish_reason} {expected.text!r}")
+        if output.completion_tokens is not None:
+            assert output.completion_tokens == expected.completion_tokens, f"{what}: {name} usage differs"
+
+
+def token_events(cluster: Cluster, request_id: str) -> list[TokenEvent]:
+    client = cluster.redis_client()
+    try:
+        return [decode(TokenEvent, fields[b"m"]) for _, fields in client.xrange(keys.token_stream(request_id))]
+    finally:
+        client.close()
+
+
+def check_token_streams(cluster: Cluster, outputs: dict[str, Output]) -> None:
+    """In Redis too: output token i is entry i, once, and the final event is the last one."""
+    for name, output in outputs.items():
+        events = token_events(cluster, output.request_id)
+        assert [event.index for event in events] == list(range(len(events))), f"{name}: gap or duplicate in Redis"
+        assert events and events[-1].finish_reason and all(event.finish_reason is None for event in events[:-1])
+
+
+def check_nothing_left(cluster: Cluster) -> None:
+    client = cluster.redis_client()
+    try:
+        active = client.smembers(keys.ACTIVE_REQUESTS_SET)
+    finally:
+        client.close()
+    assert not active, f"requests still active: {sorted(active)[:5]}"
+
+
+def iteration_records(cluster: Cluster) -> list[IterationRecord]:
+    client = cluster.redis_client()
+    try:
+        return [decode(IterationRecord, fields[b"m"]) for _, fields in client.xrange(keys.ITERATIONS_STREAM)]
+    finally:
+        client.close()
+
+
+def tokens_recomputed(cluster: Cluster) -> int:
+    """KV rebuilt: tokens prefilled beyond each request's prompt (its output so far, and its prompt
+    again when it was rebuilt), from the scheduler's iteration records."""
+    records = iteration_records(cluster)
+    request_ids = {request_id for record in records for request_id in record.request_ids}
+    client = cluster.redis_client()
+    try:
+        prompts = sum(len(decode(RequestRecord, client.hget(keys.request_key(request_id), "record")).prompt_token_ids)
+                      for request_id in request_ids)
+    finally:
+        client.close()
+    return sum(record.prefill_tokens for record in records) - prompts
+
+
+def longest_gap(outputs: dict[str, Output]) -> float:
+    """The longest wait between two pieces of one stream, over all streams (seconds)."""
+    gaps = [later[2] - earlier[2] for output in outputs.values()
+            for earlier, later in zip(output.pieces, output.pieces[1:], strict=False)]
+    return max(gaps, default=0.0)
+
+
+def status_workers(cluster: Cluster) -> list[dict]:
+    return cluster.get_json("/status")[1]["workers"]
+
+
+def busiest_worker(cluster: Cluster) -> tuple[str, str]:
+    """(service name, worker id) of the worker running the most requests: the fault costs most there."""
+    worker = max(status_workers(cluster), key=lambda worker: (worker["running"], worker["id"]))
+    assert worker["running"] > 0, "no worker runs a request"
+    return cluster.name_of_worker(worker["id"]), worker["id"]
+
+
+async def until_kv_all_free(cluster: Cluster, timeout: float = 10.0) -> float:
+    """Until every live worker reports all its KV blocks free; returns how long that took."""
+    started = time.monotonic()
+
+    def free() -> bool:
+        workers = status_workers(cluster)
+        return bool(workers) and all(w["kv_blocks_free"] == w["kv_blocks_total"] and w["running"] == 0
+                                     for w in workers)
+
+    await until(free, "every worker's KV blocks back in its free pool", timeout)
+    return time.monotonic() - started
+
+
+def report(scenario: str, **measures: object) -> None:
+    REPORT.setdefault(scenario, {}).update(measures)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chaos_report():
+    yield
+    if not REPORT:
+        return
+    text = json.dumps(REPORT, indent=2, sort_keys=True)
+    print(f"\nchaos measurements:\n{text}")
+    path = os.environ.get("ITERSERVE_CHAOS_REPORT")
+    if path:
+        with open(path, "w") as file:
+            file.write(text + "\n")
+
+
+# The harness itself
+
+
+def test_a_failing_scenario_leaves_no_process_behind():
+    with pytest.raises(RuntimeError, match="the scenario failed"):
+        with Cluster(workers=1) as cluster:
+            pids = [service.process.pid for service in cluster.history] + [cluster.redis.process.pid]
+            raise RuntimeError("the scenario failed")
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left running: {alive}"
+    assert not cluster.directory.exists(), "its logs and Redis data are removed"
+
+
+# The fault-free run
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, Output]:
+    """Every request the scenarios compare, run once without any fault (two workers, batched)."""
+    specs = FAULT_WORKLOAD + EXTRA + PRESSURE + [request.spec for request in STORM if request.cancel is None]
+
+    async def nothing(outputs: dict[str, Output]) -> None:
+        return None
+
+    started = time.monotonic()
+    with Cluster(workers=2) as cluster:
+        outputs = asyncio.run(run_all(cluster, specs, nothing, stream=False))
+        check_nothing_left(cluster)
+    report("baseline", requests=len(specs), seconds=round(time.monotonic() - started, 1))
+    return outputs
+
+
+# Cancellation
+
+
+async def cancel_one_long_request(cluster: Cluster) -> None:
+    """One long request cancelled by DELETE mid-run: no token after the iteration in flight, its KV
+    free at once (/status, /metrics), its Redis state cancelled and expiring."""
+    spec = Spec("long", prompt(900) + " Tell it at length, with many details.", 400, seed=9, ignore_eos=True)
+    output = Output()
+    async with session() as http:
+        client = asyncio.create_task(stream_request(http, cluster, spec, output))
+        await until(lambda: len(output.pieces) >= 5, "the long request's first tokens")
+        held = status_workers(cluster)
+        assert any(worker["kv_blocks_free"] < worker["kv_blocks_total"] for worker in held), f"no KV held: {held}"
+        async with http.delete(f"{cluster.base_url}/v1/requests/{output.request_id}") as response:
+            cancel_sent_at = time.monotonic()
+            assert response.status == 200 and (await response.json())["cancelled"] is True
+        await asyncio.wait_for(client, 30)
+        await until_kv_all_free(cluster)
+        freed_after = time.monotonic() - cancel_sent_at  # includes up to one heartbeat (0.5 s)
+        async with http.delete(f"{cluster.base_url}/v1/requests/{output.request_id}") as again:
+            assert again.status == 200
+            assert await again.json() == {"id": output.request_id, "object": "request.cancel",
+                                          "status": "cancelled", "cancelled": False}, "a second cancel is harmless"
+        async with http.delete(f"{cluster.base_url}/v1/requests/cmpl-{'0' * 32}") as unknown:
+            assert unknown.status == 404 and "error" in await unknown.json()
+    assert output.finish_reason == "cancelled"
+    assert freed_after < 3.0, f"KV freed {freed_after:.2f} s after the cancel"
+    metrics = cluster.get_text("/metrics")
+    for worker in status_workers(cluster):
+        assert f'iterserve_worker_kv_blocks_free{{worker_id="{worker["id"]}"}} {worker["kv_blocks_total"]}.0' \
+            in metrics, f"/metrics does not show {worker['id']}'s blocks free"
+    events = token_events(cluster, output.request_id)
+    final = events[-1]
+    assert final.finish_reason == "cancelled" and final.token_id == -1 and final.completion_tokens == len(events) - 1
+    with_it = [record for record in iteration_records(cluster) if output.request_id in record.request_ids]
+    # Each iteration it was in gave it a token, except the one in flight when the cancel came.
+    assert final.completion_tokens <= len(with_it) <= final.completion_tokens + 1, (
+        f"{len(with_it)} iterations for {final.completion_tokens} tokens: it ran on after the cancel")
+    client = cluster.redis_client()
+    try:
+        state = client.hmget(keys.request_key(output.request_id), ["status", "finish_reason"])
+        ttls = client.ttl(keys.request_key(output.request_id)), client.ttl(keys.token_stream(output.request_id))
+    finally:
+        client.close()
+    assert state == [b"cancelled", b"cancelled"] and all(ttl > 0 for ttl in ttls), (state, ttls)
+    report("cancel_delete", kv_free_in_status_seconds_after_delete=round(freed_after, 2),
+           iterations_with_it=len(with_it), tokens_before_cancel=final.completion_tokens)
+
+
+async def storm(cluster: Cluster) -> dict[str, tuple[StormRequest, Output, bool | None]]:
+    """Every STORM request as its own client; the chosen half cancelled, by DELETE or disconnect."""
+    results: dict[str, tuple[StormRequest, Output, bool | None]] = {}
+    by_seed: dict[int, str] = {}
+    read_up_to = ["0-0"]
+    client = cluster.redis_client()
+
+    def index_new_requests() -> None:
+        entries = client.xrange(keys.NEW_REQUESTS_STREAM, min=f"({read_up_to[0]}")
+        if not entries:
+            return
+        read_up_to[0] = entries[-1][0].decode()
+        request_ids = [fields[b"id"].decode() for _, fields in entries]
+        pipe = client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hget(keys.request_key(request_id), "record")
+        for request_id, raw in zip(request_ids, pipe.execute(), strict=True):
+            by_seed[decode(RequestRecord, raw).sampling.seed] = request_id
+
+    async def request_id_of(output: Output, spec: Spec) -> str | None:
+        """A streaming client has it from the headers; a waiting one finds it in Redis by its seed
+        (None: the gateway never accepted it, its client left first)."""
+        deadline = time.monotonic() + 5
+        while output.request_id is None and spec.seed not in by_seed and time.monotonic() < deadline:
+            index_new_requests()
+            await asyncio.sleep(0.05)
+        return output.request_id or by_seed.get(spec.seed)
+
+    async def one(http: aiohttp.ClientSession, request: StormRequest) -> None:
+        await asyncio.sleep(request.arrive_after)
+        output = Output()
+        call = stream_request(http, cluster, request.spec, output) if request.stream else \
+            whole_request(http, cluster, request.spec, output)
+        client_task = asyncio.create_task(call)
+        cancelled = None
+        if request.cancel is not None:
+            done, _ = await asyncio.wait({client_task}, timeout=request.cancel_after)
+            if not done:
+                if request.cancel == "disconnect":
+                    client_task.cancel()  # the connection closes: the gateway cancels the request
+                else:
+                    request_id = await request_id_of(output, request.spec)
+                    assert request_id is not None, f"{request.spec.name} was never accepted"
+                    async with http.delete(f"{cluster.base_url}/v1/requests/{request_id}") as response:
+                        assert response.status == 200
+                        cancelled = (await response.json())["cancelled"]
+                        output.request_id = request_id
+        try:
+            await client_task
+        except asyncio.CancelledError:
+            output.request_id = await request_id_of(output, request.spec)
+        results[request.spec.name] = (request, output, cancelled)
+
+    try:
+        async with session() as http, asyncio.timeout(FINISH_SECONDS):
+            await asyncio.gather(*(one(http, request) for request in STORM))
+    finally:
+        client.close()
+    return results
+
+
+def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unchanged(baseline):
+    started = time.monotonic()
+    with Cluster(workers=2, max_batch_size=128) as cluster:
+        asyncio.run(cancel_one_long_request(cluster))
+        storm_started = time.monotonic()
+        results = asyncio.run(storm(cluster))
+        storm_seconds = time.monotonic() - storm_started
+
+        async def settled() -> float:
+            client = cluster.redis_client()
+            try:
+                await until(lambda: not client.smembers(keys.ACTIVE_REQUESTS_SET), "every request to end", 60)
+            finally:
+                client.close()
+            return await until_kv_all_free(cluster)
+
+        asyncio.run(settled())
+        never_accepted = [name for name, (_, output, _) in results.items() if output.request_id is None]
+        assert all(results[name][0].cancel == "disconnect" for name in never_accepted)
+        results = {name: result for name, result in results.items() if result[1].request_id is not None}
+        _, status = cluster.get_json("/status")
+        assert status["waiting"] == 0 and status["running"] == 0 and status["active_requests"] == 0, status
+        assert len(status["workers"]) == 2 and all(w["kv_blocks_free"] == w["kv_blocks_total"] == 256
+                                                   for w in status["workers"]), status["workers"]
+        client = cluster.redis_client()
+        statuses = {name: client.hget(keys.request_key(output.request_id), "status")
+                    for name, (_, output, _) in results.items()}
+        client.close()
+        stuck = {name: value for name, value in statuses.items() if value not in (b"finished", b"cancelled")}
+        assert not stuck, f"not ended: {stuck}"
+        uncancelled = {name: output for name, (request, output, _) in results.items() if request.cancel is None}
+        check_same_as_baseline(uncancelled, baseline, "after the storm")
+        check_token_streams(cluster, {name: output for name, (_, output, _) in results.items()})
+        for name, (request, output, cancelled) in results.items():
+            if request.cancel == "delete" and cancelled is False:  # it had ended before the DELETE came
+                assert statuses[name] == b"finished", name
+            if request.cancel == "disconnect" and statuses[name] == b"cancelled":
+                assert token_events(cluster, output.request_id)[-1].finish_reason == "cancelled"
+        cancelled_count = sum(value == b"cancelled" for value in statuses.values())
+        assert cancelled_count >= len(STORM) // 4, f"only {cancelled_count} requests were cancelled"
+        preempted = len(cluster.log_events("scheduler", "preempted request_id="))
+    report("cancellation_storm", requests=len(STORM), cancelled=cancelled_count, never_accepted=len(never_accepted),
+           cancelled_by_delete=sum(r.cancel == "delete" for r in STORM),
+           cancelled_by_disconnect=sum(r.cancel == "disconnect" for r in STORM),
+           storm_seconds=round(storm_seconds, 1), preempted=preempted,
+           test_seconds=round(time.monotonic() - started, 1))
+
+
+def test_kv_pressure_preempts_the_youngest_and_outputs_are_unchanged(baseline):
+    with Cluster(workers=1, kv_blocks=10) as cluster:  # 160 tokens: two of these requests at their longest
+        outputs = asyncio.run(run_all(cluster, PRESSURE, lambda outputs: asyncio.sleep(0), stream=False))
+        asyncio.run(until_kv_all_free(cluster))
+        check_same_as_baseline(outputs, baseline, "under KV pressure")
+        check_nothing_left(cluster)
+        preempted = cluster.log_events("scheduler", "reason=kv_full")
+        assert preempted, "the pool never ran out: nothing was preempted"
+        assert not cluster.log_events("scheduler", "kv_cache_full"), "the worker's pool overflowed"
+        report("kv_pressure", preempted=len(preempted), tokens_recomputed=tokens_recomputed(cluster))
+
+
+# Worker faults
+
+
+def test_sigkill_a_worker_mid_run_streams_go_on_without_gap_or_duplicate(baseline):
+    with Cluster(workers=2) as cluster:
+        killed: dict[str, float] = {}
+        victim: list[str] = []
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            name, worker_id = busiest_worker(cluster)
+            victim.extend([worker_id, next(w["id"] for w in status_workers(cluster) if w["id"] != worker_id)])
+            killed["at"], killed["monotonic"] = cluster.kill(name), time.monotonic()
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        check_same_as_baseline(outputs, baseline, "after a worker was killed")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        dead_id, survivor_id = victim
+        dead = cluster.log_events("scheduler", f"worker_dead worker_id={dead_id}")
+        assert dead, "the scheduler never noticed the dead worker"
+        detected = dead[0][0] - killed["at"]
+        assert detected < 2.0, f"the dead worker was noticed after {detected:.2f} s"
+        moved = [line for when, line in cluster.log_events("scheduler", "admitted request_id=")
+                 if when > killed["at"] and f"worker_id={survivor_id}" in line and "output_tokens=0" not in line]
+        assert moved, "no request was rebuilt on the surviving worker"
+        resumed = max(min(t for _, _, t in output.pieces if t > killed["monotonic"])
+                      for output in outputs.values() if output.pieces[-1][2] > killed["monotonic"])
+        report("worker_sigkill", detected_seconds=round(detected, 2), requests_moved=len(moved),
+               recovery_seconds=round(resumed - killed["monotonic"], 2),
+               longest_stream_gap=round(longest_gap(outputs), 2),
+               tokens_recomputed=tokens_recomputed(cluster))
+
+
+def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_new_one(baseline):
+    drain_seconds = 2.0
+    with Cluster(workers=2, drain_seconds=drain_seconds) as cluster:
+        stopped: dict[str, float] = {}
+        names: list[str] = []
+
+        async def scale_down(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 5), "5 tokens in every stream")
+            name, worker_id = busiest_worker(cluster)
+            names.extend([name, worker_id, "worker-2" if name == "worker-1" else "worker-1"])
+            stopped["at"] = cluster.kill(name, signal.SIGTERM)
+            code = await asyncio.to_thread(cluster.wait_exit, name, drain_seconds + 8)
+            stopped["exited"] = time.time()
+            assert code == 0, cluster.log(name)[-2000:]
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, scale_down))
+        check_same_as_baseline(outputs, baseline, "after a worker was stopped")
+        stopped_name, stopped_id, last_name = names
+        worker_log = cluster.log(stopped_name)
+        assert "event=draining" in worker_log and "event=drained" in worker_log, worker_log[-2000:]
+        assert cluster.log_events("scheduler", f"handed_over worker_id={stopped_id}"), "nothing was handed over"
+        handover_seconds = stopped["exited"] - stopped["at"]
+        handover_recomputed = tokens_recomputed(cluster)
+
+        # The last worker stops: nobody to hand over to, so it runs on for drain_seconds, then goes.
+        waiting_cancelled = Output()
+        last: dict[str, float] = {}
+
+        async def last_worker_goes(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 5), "5 tokens in every stream")
+            last["at"] = cluster.kill(last_name, signal.SIGTERM)
+            code = await asyncio.to_thread(cluster.wait_exit, last_name, drain_seconds + 8)
+            last["exited"] = time.time()
+            assert code == 0, cluster.log(last_name)[-2000:]
+            await until(lambda: cluster.get_json("/health")[0] == 503, "/health to say no worker is left", 10)
+            assert cluster.get_json("/health")[1]["missing"] == ["workers"]
+            # A request that arrives now waits; cancelled while waiting, it never runs.
+            async with session() as http:
+                spec = Spec("never-runs", prompt(950), 8, seed=77)
+                client = asyncio.create_task(stream_request(http, cluster, spec, waiting_cancelled))
+                await until(lambda: waiting_cancelled.request_id is not None or client.done(), "its headers", 10)
+                await asyncio.sleep(0.5)
+                async with http.delete(f"{cluster.base_url}/v1/requests/{waiting_cancelled.request_id}") as response:
+                    assert (await response.json())["status"] == "waiting"
+                await asyncio.wait_for(client, 10)
+            assert any(output.finish_reason is None for output in outputs.values()), \
+                "the last worker finished everything: nothing was left waiting"
+            last["worker_started"] = time.time()
+            cluster.start_worker()
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, last_worker_goes))
+        check_same_as_baseline(outputs, baseline, "after the last worker was stopped and a new one started")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        assert waiting_cancelled.finish_reason == "cancelled" and waiting_cancelled.text == ""
+        assert not any(waiting_cancelled.request_id in record.request_ids for record in iteration_records(cluster))
+        assert "event=drain_timeout" in cluster.log(last_name) or "event=drained" in cluster.log(last_name)
+        assert last["exited"] - last["at"] < drain_seconds + 5, "drain_seconds bounds how long a stop takes"
+        report("worker_sigterm", handover_exit_seconds=round(handover_seconds, 2),
+               handover_tokens_recomputed=handover_recomputed, drain_seconds_setting=drain_seconds,
+               last_worker_exit_seconds=round(last["exited"] - last["at"], 2),
+               tokens_recomputed_total=tokens_recomputed(cluster))
+
+
+# Scheduler, Redis and gateway faults
+
+
+def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline):
+    with Cluster(workers=2) as cluster:
+        times: dict[str, float] = {}
+        extra: dict[str, Output] = {}
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            times["killed"] = cluster.kill("scheduler")
+            times["killed_monotonic"] = time.monotonic()
+            # Accepted while no scheduler runs: they wait in Redis for the next one.
+            async with session() as http:
+                accepted = [
+                    asyncio.create_task(whole_request(http, cluster, spec, extra.setdefault(spec.name, Output())))
+                    for spec in EXTRA
+                ]
+                await asyncio.sleep(1.0)
+                times["restarted"] = time.time()
+                cluster.start("scheduler")
+                await asyncio.gather(*accepted)
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        check_same_as_baseline(outputs, baseline, "after the scheduler was killed")
+        check_same_as_baseline(extra, baseline, "accepted while the scheduler was down")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        loaded = cluster.log_events("scheduler", "pool_loaded")
+        assert len(loaded) == 2, "the new scheduler did not load the pool"
+        resumed = min(t for output in outputs.values() for _, _, t in output.pieces if t > times["killed_monotonic"])
+        report("scheduler_sigkill", restart_to_pool_loaded_seconds=round(loaded[-1][0] - times["restarted"], 2),
+               first_token_after_kill_seconds=round(resumed - times["killed_monotonic"], 2),
+               scheduler_down_seconds=round(times["restarted"] - times["killed"], 2),
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
+
+
+@pytest.mark.parametrize("down_seconds", [0.0, 3.0], ids=["at-once", "down-3s"])
+def test_restart_redis_mid_run_every_request_completes(baseline, down_seconds):
+    """At once: nothing is lost, nothing recomputed. Down 3 s: the workers' heartbeat keys expire,
+    so the scheduler re-queues their requests and rebuilds them when the workers come back."""
+    with Cluster(workers=2) as cluster:
+        times: dict[str, float] = {}
+        extra: dict[str, Output] = {}
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            restarted = await asyncio.to_thread(cluster.restart_redis, True, down_seconds)
+            times["stopped"], times["answering"] = restarted
+            times["restarted_monotonic"] = time.monotonic()
+            async with session() as http:
+                await asyncio.gather(*(whole_request(http, cluster, spec, extra.setdefault(spec.name, Output()))
+                                       for spec in EXTRA))
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        check_same_as_baseline(outputs, baseline, "after Redis restarted")
+        check_same_as_baseline(extra, baseline, "accepted after Redis restarted")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        resumed = min(t for output in outputs.values() for _, _, t in output.pieces if t > times["restarted_monotonic"])
+        report(f"redis_sigkill_restart_{down_seconds:g}s",
+               redis_down_seconds=round(times["answering"] - times["stopped"], 2),
+               first_token_after_restart_seconds=round(resumed - times["restarted_monotonic"], 2),
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster),
+               workers_declared_dead=len(cluster.log_events("scheduler", "worker_dead")))
+
+
+def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline):
+    specs = FAULT_WORKLOAD[:6]
+    with Cluster(workers=2) as cluster:
+        times: dict[str, float] = {}
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 6), "6 tokens in every stream")
+            times["killed"] = cluster.kill("gateway")
+            cluster.start("gateway")
+            await asyncio.to_thread(cluster.wait_ready, 2)
+            times["ready"] = time.time()
+
+        outputs = asyncio.run(run_all(cluster, specs, fault, reattach=True))
+        check_same_as_baseline(outputs, baseline, "re-attached after the gateway was killed")
+        assert all(output.reattached >= 1 for output in outputs.values()), "some stream was never cut"
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        report("gateway_sigkill", gateway_restart_seconds=round(times["ready"] - times["killed"], 2),
+               tokens_recomputed=tokens_recomputed(cluster))
