@@ -187,7 +187,6 @@ class Worker:
                 log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
                 await asyncio.sleep(0.5)
 
-
     def failed(self, plan: BatchPlan, message: str) -> PlanResult:
         """Every item of the plan in error: the scheduler rebuilds those requests (or fails them after a few)."""
         for item in plan.items:
