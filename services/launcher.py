@@ -30,7 +30,7 @@ RESTART_BACKOFF_SECONDS = 2.0
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Children get SIGTERM if `iterserve up` itself is killed (Linux), so none is left behind."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -47,7 +47,7 @@ class Child:
     def start(self) -> None:
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._relay, args=(self.process,), daemon=True).start()
         log.info("event=started process=%s pid=%d", self.name, self.process.pid)
@@ -77,6 +77,7 @@ class Child:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a private Redis, a gateway, a test)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

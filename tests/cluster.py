@@ -30,7 +30,7 @@ from typing import IO
 
 import redis
 
-from services.launcher import _die_with_parent
+from services.launcher import die_with_parent
 from tests.redis_server import RedisProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ class Cluster:
         log_file = open(log_path, "wb")
         process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", kind], cwd=REPO, env=self.env | env, stdout=log_file,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )
         service = Service(name, kind, process, log_path, log_file, worker_id=env.get("ITERSERVE_WORKER_ID", ""))
         self.services[name] = service

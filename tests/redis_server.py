@@ -2,7 +2,6 @@
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -10,11 +9,7 @@ from collections.abc import Iterator
 
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from services.launcher import free_port  # re-exported: the tests take it from here
 
 
 def wait_for_ping(url: str, timeout: float = 10.0) -> None:

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,18 +18,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.launcher import _die_with_parent
+from services.launcher import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 240
 STOP_TIMEOUT_SECONDS = 40
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get_json(url: str, timeout: float = 3.0) -> tuple[int, dict]:
@@ -80,7 +73,7 @@ class ServerProcess:
         self._log_file = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=self._log_file,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=die_with_parent)
         try:
             self.wait_healthy(timeout)
         except BaseException:
