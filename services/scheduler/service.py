@@ -131,6 +131,7 @@ class SchedulerService:
         self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
+        self._published_counts: tuple[int, int] | None = None
 
     # Running
 
@@ -178,14 +179,14 @@ class SchedulerService:
             await self.poll_workers()
             self._next_poll = now + self._poll_interval
         self._abandon_stalled_plans()
-        if now >= self._next_heartbeat:
-            self._queue_heartbeat()
-            self._next_heartbeat = now + self.settings.heartbeat_seconds
         if self._pending_new:
             batch = self._pending_new[:LOAD_BATCH]
             await self.load_requests(batch)
             del self._pending_new[: len(batch)]
         self._dispatch()
+        if now >= self._next_heartbeat or self._published_counts != self._counts():
+            self._queue_heartbeat()
+            self._next_heartbeat = now + self.settings.heartbeat_seconds
         if self._pending_new:
             block_ms = None  # more requests to load: do not wait
         else:
@@ -485,16 +486,22 @@ class SchedulerService:
         self._recently_finished.add(request_id)
         log.info("finished request_id=%s reason=%s completion_tokens=%d", request_id, reason, completion_tokens)
 
+    def _counts(self) -> tuple[int, int]:
+        return self.policy.waiting_count, self.policy.running_count
+
     def _queue_heartbeat(self) -> None:
+        """The heartbeat carries the pool's counts for /status; it goes first in the next round trip,
+        so a reader never sees a request gone from the active set while the counts still hold it."""
         now = time.time()
+        self._published_counts = self._counts()
         info = SchedulerInfo(
             pid=os.getpid(), policy=self.settings.policy, started_at=self.started_at, heartbeat_at=now,
             last_iteration_at=self.last_iteration_at, iterations=self.iterations,
             waiting=self.policy.waiting_count, running=self.policy.running_count,
             waiting_tokens=self.policy.waiting_tokens,
         )
-        self._queue("set", keys.SCHEDULER_HEARTBEAT, encode(info),
-                    px=int(self.settings.scheduler_timeout_seconds * 1000))
+        self._writes.insert(0, ("set", (keys.SCHEDULER_HEARTBEAT, encode(info)),
+                                {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
 
     # Redis round trips
 
