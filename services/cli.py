@@ -34,6 +34,8 @@ SERVICE_OPTIONS = {
     "--device": ("device", str, "auto, cpu, cuda, cuda:1 ... (default auto)"),
     "--dtype": ("dtype", str, "auto, float32, bfloat16, float16 (default: bf16 on CUDA, f32 on CPU)"),
     "--attention": ("attention", str, "batched or per_request (Orca's reference path)"),
+    "--decode-workspace-tokens": ("decode_workspace_tokens", int,
+                                  "contiguous decode KV kept across steps, in tokens (default 65536; 0: off)"),
     "--worker-id": ("worker_id", str, "this worker's id (default: drawn at start)"),
     "--log-level": ("log_level", str, "DEBUG, INFO, WARNING ..."),
     # Access and admission (services/gateway/admission.py)

@@ -38,6 +38,10 @@ class Settings(BaseModel):
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, f32 on cpu
     attention: Literal["batched", "per_request"] = "batched"
+    # Batched attention keeps decoding requests' KV in contiguous rows across steps (no gather
+    # per step); at most this many tokens (rows x context; 46 KB each for SmolLM2 in float32).
+    # 0: gather from the paged pool at every step.
+    decode_workspace_tokens: int = Field(65536, ge=0)
     worker_id: str = ""  # empty: drawn at start
     # Liveness
     heartbeat_seconds: float = Field(0.5, gt=0)

@@ -150,6 +150,57 @@ def test_both_attention_paths_give_the_same_logits():
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("workspace_tokens", [65536, 96, 0], ids=["workspace", "tight-workspace", "no-workspace"])
+def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_tokens):
+    """Requests join, decode, skip steps, get rebuilt from their first token, leave, and grow past
+    the decode workspace's capacity; at every step the batched path (with its workspace kept
+    across steps, one that must often fall back to gathering, or none) gives the per-request
+    path's logits."""
+    reference = Engine.tiny(kv_blocks=512, kv_block_size=4, attention="per_request")
+    batched = Engine.tiny(kv_blocks=512, kv_block_size=4, attention="batched", decode_workspace_tokens=workspace_tokens)
+    rng = random.Random(7)
+    live: dict[str, list[int]] = {}  # request id -> every token fed or sampled so far
+    fed: dict[str, int] = {}  # tokens whose KV is written
+    for step_index in range(120):
+        items = []
+        for request_id in sorted(live):
+            roll = rng.random()
+            if roll < 0.08:  # leaves (finished or cancelled)
+                for engine in (reference, batched):
+                    engine.free(request_id)
+                del live[request_id], fed[request_id]
+            elif roll < 0.13:  # rebuilt from its first token, as after a preemption
+                items.append(prefill_item(request_id, live[request_id][:-1], output_index=1))
+                fed[request_id] = len(live[request_id]) - 1
+            elif roll < 0.85:  # decodes (others skip this step)
+                token_count = len(live[request_id])
+                items.append(decode_item(request_id, live[request_id][-1], token_count - 1, 1))
+                fed[request_id] = token_count
+        if len(live) < 12 and rng.random() < 0.5:
+            request_id = f"r{step_index}"
+            prompt = [rng.randrange(256) for _ in range(rng.choice((1, 5, 40, 150)))]
+            for engine in (reference, batched):
+                engine.add_request(request_id, GREEDY)
+            items.append(prefill_item(request_id, prompt))
+            live[request_id], fed[request_id] = prompt, len(prompt)
+        if not items:
+            continue
+        expected = reference.step(items, return_logits=True)
+        actual = batched.step(items, return_logits=True)
+        assert not expected.errors and not actual.errors, (expected.errors, actual.errors)
+        for request_id, logits in expected.logits.items():
+            torch.testing.assert_close(actual.logits[request_id], logits, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"step {step_index}, {request_id}: {m}")
+            live[request_id] = live[request_id][: fed[request_id]] + [expected.tokens[request_id]]
+    workspace = batched.workspace
+    if workspace_tokens:
+        assert workspace is not None and workspace.capacity_tokens <= workspace_tokens
+    else:
+        assert workspace is None
+    longest = max(len(tokens) for tokens in live.values())
+    assert longest > 150, "some request should have outgrown the workspace's first capacity"
+
+
 # Paged KV cache
 
 

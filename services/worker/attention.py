@@ -3,7 +3,9 @@
 Two interchangeable paths (Settings.attention):
 - "per_request": Orca's reference: one attention call per request per layer.
 - "batched": requests padded into at most two groups (decode tokens, and prompt chunks),
-  one masked attention call per group per layer, no Python loop over requests.
+  one masked attention call per group per layer, no Python loop over requests. The decode
+  group reads its context from a DecodeWorkspace (services/worker/decode_workspace.py) when
+  the engine has one: contiguous rows kept across steps, so a steady decode batch gathers nothing.
 
 Both read a request's context by whole KV blocks (a block's rows are contiguous in the pool,
 so gathering blocks is about twice as fast as gathering token slots on the CPU).
@@ -57,6 +59,20 @@ class PaddedGroup:
 
 
 @dataclass(frozen=True)
+class WorkspaceGroup:
+    """Batched path, decode tokens whose context sits in a DecodeWorkspace, one row each."""
+
+    keys: torch.Tensor  # [layers, rows, Hkv, capacity, D]: the workspace's tensors
+    values: torch.Tensor
+    token_rows: torch.Tensor  # [R]: the step row of workspace row r's token
+    row_index: torch.Tensor  # [R]: 0 .. R-1
+    positions: torch.Tensor  # [R]: where row r's new K/V goes in its row
+    slots: torch.Tensor  # [R]: and in the pool (written there first, copied from there)
+    mask: torch.Tensor  # [R, 1, 1, max_context] bool
+    max_context: int
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     mode: AttentionMode
     num_tokens: int  # T
@@ -64,6 +80,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T]: where each new token's K and V are written
     spans: tuple[RequestSpan, ...]
     groups: tuple[PaddedGroup, ...]
+    workspace_group: WorkspaceGroup | None = None
 
 
 def causal_mask(start: int, query_count: int, context: int, group: int) -> torch.Tensor:
@@ -74,9 +91,12 @@ def causal_mask(start: int, query_count: int, context: int, group: int) -> torch
 
 
 def build_batch(mode: AttentionMode, requests: list[StepRequest], slot_mapping: list[int], block_size: int,
-                group: int, kv_width: int, device: torch.device, dtype: torch.dtype) -> AttentionBatch:
+                group: int, kv_width: int, device: torch.device, dtype: torch.dtype,
+                workspace: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> AttentionBatch:
     """Everything attention needs for one step, built once and shared by all layers.
-    group: query heads per KV head (G); kv_width: Hkv * D."""
+    group: query heads per KV head (G); kv_width: Hkv * D. workspace (batched mode): a
+    DecodeWorkspace's keys and values and the row of each decode request (query_count 1), in
+    the order of `requests`, as DecodeWorkspace.prepare returned them."""
     num_tokens = len(slot_mapping)
     slot_tensor = torch.tensor(slot_mapping, dtype=torch.long, device=device)
     if mode == "per_request":
@@ -93,9 +113,32 @@ def build_batch(mode: AttentionMode, requests: list[StepRequest], slot_mapping: 
         return AttentionBatch(mode, num_tokens, block_size, slot_tensor, spans, ())
     decodes = [request for request in requests if request.query_count == 1]
     chunks = [request for request in requests if request.query_count > 1]
+    workspace_group = None
+    if workspace is not None and decodes:
+        workspace_group = _workspace_group(decodes, *workspace, slot_mapping, device)
+        decodes = []
     groups = tuple(_padded_group(members, num_tokens, block_size, group, kv_width, device, dtype)
                    for members in (decodes, chunks) if members)
-    return AttentionBatch(mode, num_tokens, block_size, slot_tensor, (), groups)
+    return AttentionBatch(mode, num_tokens, block_size, slot_tensor, (), groups, workspace_group)
+
+
+def _workspace_group(decodes: list[StepRequest], keys: torch.Tensor, values: torch.Tensor, rows: list[int],
+                     slot_mapping: list[int], device: torch.device) -> WorkspaceGroup:
+    by_row = sorted(zip(rows, decodes, strict=True), key=lambda pair: pair[0])
+    assert [row for row, _ in by_row] == list(range(len(rows))), "workspace rows must be exactly 0 .. R-1"
+    starts = torch.tensor([request.start_position for _, request in by_row], dtype=torch.long)
+    max_context = int(starts.max()) + 1
+    return WorkspaceGroup(
+        keys=keys, values=values,
+        token_rows=torch.tensor([request.query_start for _, request in by_row], dtype=torch.long, device=device),
+        row_index=torch.arange(len(rows), device=device),
+        positions=starts.to(device),
+        slots=torch.tensor([slot_mapping[request.query_start] for _, request in by_row], dtype=torch.long,
+                           device=device),
+        mask=(torch.arange(max_context).unsqueeze(0) <= starts.unsqueeze(1)).view(len(rows), 1, 1, max_context)
+        .to(device),
+        max_context=max_context,
+    )
 
 
 def _padded_group(members: list[StepRequest], num_tokens: int, block_size: int, group: int, kv_width: int,
@@ -133,8 +176,9 @@ def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int,
     return gathered.view(blocks.numel() * block_size, *pool.shape[1:])
 
 
-def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-    """q [T, Hq, D], pools [slots, Hkv, D] (this step's K/V already written) -> [T, Hq*D]."""
+def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, batch: AttentionBatch,
+           layer: int) -> torch.Tensor:
+    """q [T, Hq, D], this layer's pools [slots, Hkv, D] (this step's K/V already written) -> [T, Hq*D]."""
     num_tokens, n_heads, head_dim = q.shape
     n_kv_heads = key_pool.shape[1]
     group = n_heads // n_kv_heads
@@ -164,4 +208,13 @@ def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, ba
         o = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=padded.mask)  # [b, Hkv, G*Lmax, D]
         o = o.view(b, n_kv_heads, group, lmax, head_dim).permute(0, 3, 1, 2, 4).reshape(b * lmax, n_heads * head_dim)
         out[padded.token_rows] = o[padded.real_rows]
+    if (ws := batch.workspace_group) is not None:
+        rows = ws.row_index.numel()
+        ws_keys, ws_values = ws.keys[layer], ws.values[layer]  # [rows, Hkv, capacity, D]
+        ws_keys[ws.row_index, :, ws.positions] = key_pool.index_select(0, ws.slots)
+        ws_values[ws.row_index, :, ws.positions] = value_pool.index_select(0, ws.slots)
+        q_w = q.index_select(0, ws.token_rows).view(rows, n_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(q_w, ws_keys[:rows, :, : ws.max_context],
+                                           ws_values[:rows, :, : ws.max_context], attn_mask=ws.mask)
+        out[ws.token_rows] = o.reshape(rows, n_heads * head_dim)
     return out

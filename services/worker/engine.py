@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from services.worker.attention import AttentionMode, StepRequest, build_batch
+from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import KVCacheFull, PagedKVCache
 from services.worker.model import TINY_CONFIG, Llama, tiny_random_weights
 from services.worker.sampling import sample_tokens
@@ -56,10 +57,13 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched"):
+    def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched",
+                 decode_workspace_tokens: int = Settings().decode_workspace_tokens):
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.config: ModelConfig = model.config
         self._sampling: dict[str, SamplingParams] = {}
+        self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens)
+                          if attention == "batched" and decode_workspace_tokens > 0 else None)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Engine":
@@ -68,19 +72,22 @@ class Engine:
         device = pick_device(settings.device)
         dtype = pick_dtype(settings.dtype, device)
         model = Llama(metadata.config, load_weights(metadata), device, dtype)
-        engine = cls(model, cls._kv_cache_for(metadata.config, settings, device, dtype), settings.attention)
+        engine = cls(model, cls._kv_cache_for(metadata.config, settings, device, dtype), settings.attention,
+                     settings.decode_workspace_tokens)
         log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d seconds=%.2f",
                  metadata.name, device, dtype, settings.kv_blocks, time.perf_counter() - started)
         return engine
 
     @classmethod
     def tiny(cls, kv_blocks: int = 64, kv_block_size: int = 4, attention: AttentionMode = "batched", seed: int = 0,
-             config: ModelConfig = TINY_CONFIG) -> "Engine":
+             config: ModelConfig = TINY_CONFIG,
+             decode_workspace_tokens: int = Settings().decode_workspace_tokens) -> "Engine":
         """A seeded random model for fast unit tests."""
         device = torch.device("cpu")
         model = Llama(config, tiny_random_weights(config, seed), device, torch.float32)
         settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size)
-        return cls(model, cls._kv_cache_for(config, settings, device, torch.float32), attention)
+        return cls(model, cls._kv_cache_for(config, settings, device, torch.float32), attention,
+                   decode_workspace_tokens)
 
     @staticmethod
     def _kv_cache_for(config: ModelConfig, settings: Settings, device: torch.device, dtype: torch.dtype) -> PagedKVCache:
@@ -103,11 +110,18 @@ class Engine:
     def free(self, request_id: str) -> None:
         """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
         self._sampling.pop(request_id, None)
-        self.kv_cache.free(request_id)
+        self._free_kv(request_id)
 
     def reset(self) -> None:
         self._sampling.clear()
         self.kv_cache.free_all()
+        if self.workspace is not None:
+            self.workspace.clear()
+
+    def _free_kv(self, request_id: str) -> None:
+        self.kv_cache.free(request_id)
+        if self.workspace is not None:
+            self.workspace.drop(request_id)
 
     @property
     def running(self) -> int:
@@ -129,7 +143,7 @@ class Engine:
             return error("bad_item", "token id outside the vocabulary")
         held = self.kv_cache.length(item.request_id)
         if item.start_position == 0 and held:
-            self.kv_cache.free(item.request_id)  # a rebuild from the first token
+            self._free_kv(item.request_id)  # a rebuild from the first token
         elif item.start_position != held:
             return error("bad_item", f"start_position {item.start_position} but {held} tokens are in the KV cache")
         return None
@@ -172,15 +186,26 @@ class Engine:
                 logit_rows.append(len(token_ids) - 1)
                 sampled.append(item)
         config = self.config
+        workspace = None
+        decodes = [(item.request_id, item.start_position) for item in items if len(item.token_ids) == 1]
+        if self.workspace is not None and decodes:
+            rows = self.workspace.prepare(decodes)
+            if rows is not None:
+                workspace = (self.workspace.keys, self.workspace.values, rows)
         batch = build_batch(self.attention, requests, slot_mapping, self.kv_cache.block_size,
                             config.n_heads // config.n_kv_heads, config.n_kv_heads * config.head_dim, device,
-                            self.model.dtype)
-        logits = self.model.forward(
-            torch.tensor(token_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            batch, self.kv_cache,
-            torch.tensor(logit_rows, dtype=torch.long, device=device),
-        )
+                            self.model.dtype, workspace)
+        try:
+            logits = self.model.forward(
+                torch.tensor(token_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                batch, self.kv_cache,
+                torch.tensor(logit_rows, dtype=torch.long, device=device),
+            )
+        except BaseException:
+            if self.workspace is not None:
+                self.workspace.clear()  # rows may be half-written: none can be trusted
+            raise
         for item in items:
             self.kv_cache.set_length(item.request_id, item.start_position + len(item.token_ids))
         if not sampled:

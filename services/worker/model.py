@@ -90,7 +90,7 @@ class Llama:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             kv_cache.write(layer_index, batch.slot_mapping, k, v)
-            attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch)  # [T, Hq D]
+            attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch, layer_index)  # [T, Hq D]
             x = x + attended @ layer.out.T
             h = rms_norm(x, layer.ffn_norm, config.rms_norm_eps)
             gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
