@@ -26,6 +26,7 @@ SERVICE_OPTIONS = {
     "--policy": ("policy", str, "iteration (Orca) or request (FasterTransformer-style baseline)"),
     "--max-batch-size": ("max_batch_size", int, "requests per iteration per worker (default 64)"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget per iteration per worker (default 512)"),
+    "--pipeline-depth": ("pipeline_depth", int, "plans in flight per worker (default 2: the next is planned while one runs)"),
     "--kv-blocks": ("kv_blocks", int, "KV cache blocks per worker (default 2048)"),
     "--kv-memory-fraction": ("kv_memory_fraction", float, "size the KV pool as this fraction of free device memory"),
     "--kv-block-size": ("kv_block_size", int, "tokens per KV block (default 16)"),

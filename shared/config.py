@@ -28,6 +28,8 @@ class Settings(BaseModel):
     policy: Literal["iteration", "request"] = "iteration"
     max_batch_size: int = Field(64, ge=1)
     max_batch_tokens: int = Field(512, ge=1)  # token budget of one iteration (prefill chunks)
+    # Plans in flight per worker: 2 plans iteration k+1 while k runs (Orca's pipelining); 1 waits.
+    pipeline_depth: int = Field(2, ge=1, le=4)
     # Workers
     workers: int = Field(1, ge=0)  # `iterserve up` only
     kv_blocks: int = Field(2048, ge=1)  # KV blocks per worker

@@ -68,6 +68,9 @@ class StepItem(Frozen):
     # Tokens fed this step: a chunk of the prompt (or of prompt + output when a request's
     # KV is rebuilt), or the one token sampled at the previous step.
     token_ids: tuple[int, ...]
+    # Pipelined plans: feed the token this worker sampled for the request at output_index - 1
+    # (in the plan before, still running when this one was planned); token_ids is then empty.
+    feeds_sampled: bool = False
     start_position: int = Field(ge=0, lt=2**31)  # tokens of this request already in the worker's KV
     sample: bool  # this step reaches the last known token: sample the next one
     output_index: int = Field(ge=0, lt=2**31)  # index of the token sampled (its seeded randomness)

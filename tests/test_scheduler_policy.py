@@ -52,11 +52,14 @@ class FakeWorker:
         self.token = token
         self.kv: dict[str, list[int]] = {}
         self.known: set[str] = set()
+        self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
+        self.sampled_count: dict[str, int] = defaultdict(int)  # tokens sampled per request, wasted ones too
 
     def run(self, plan: BatchPlan) -> PlanResult:
         for request_id in plan.free_request_ids:
             self.kv.pop(request_id, None)
             self.known.discard(request_id)
+            self.last_sampled.pop(request_id, None)
         self.known.update(new.request_id for new in plan.new_requests)
         for item in plan.items:
             assert item.request_id in self.known, f"{item.request_id} stepped before its NewRequest was sent"
@@ -64,12 +67,20 @@ class FakeWorker:
             if item.start_position == 0:
                 held.clear()
             assert item.start_position == len(held), f"{item.request_id}: start {item.start_position}, KV {len(held)}"
-            held.extend(item.token_ids)
+            if item.feeds_sampled:
+                assert item.token_ids == () and item.sample
+                index, token = self.last_sampled[item.request_id]
+                assert index == item.output_index - 1, f"{item.request_id}: feeds {index}, samples {item.output_index}"
+                held.append(token)
+            else:
+                held.extend(item.token_ids)
             expected = list(self.prompts[item.request_id]) + [
                 self.token(item.request_id, index) for index in range(len(held) - len(self.prompts[item.request_id]))]
             assert held == expected[: len(held)], f"{item.request_id}: KV holds the wrong tokens"
             if item.sample:
                 assert item.output_index == len(held) - len(self.prompts[item.request_id])
+                self.last_sampled[item.request_id] = (item.output_index, self.token(item.request_id, item.output_index))
+                self.sampled_count[item.request_id] += 1
         return answer(plan, self.token)
 
 
@@ -91,6 +102,33 @@ def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: i
                 outputs[outcome.request_id].append(outcome.token_id)
                 if outcome.finish_reason:
                     reasons[outcome.request_id] = outcome.finish_reason
+        for state in policy.take_finished_without_token():
+            reasons[state.request_id] = state.finish_reason
+    raise AssertionError("requests did not finish")
+
+
+def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: int = 2000,
+                    sent: dict[str, list[BatchPlan]] | None = None):
+    """Like drive, but every worker takes as many plans as the policy sends (pipeline_depth) and
+    answers its oldest one per round, as a real worker runs its plan stream in order.
+    sent: plans already sent to a worker and not answered yet."""
+    outputs: dict[str, list[int]] = defaultdict(list)
+    reasons: dict[str, str] = {}
+    queued: dict[str, list[BatchPlan]] = {worker_id: list((sent or {}).get(worker_id, ())) for worker_id in workers}
+    depth_seen = 0
+    for _ in range(max_rounds):
+        if policy.waiting_count + policy.running_count == 0:
+            return outputs, reasons, depth_seen
+        for worker_id, worker in workers.items():
+            while (plan := policy.next_plan(worker_id)) is not None:
+                queued[worker_id].append(plan)
+            depth_seen = max(depth_seen, len(queued[worker_id]))
+            if queued[worker_id]:
+                for outcome in policy.on_result(worker.run(queued[worker_id].pop(0))):
+                    assert outcome.output_index == len(outcome.request.output_token_ids) - 1
+                    outputs[outcome.request_id].append(outcome.token_id)
+                    if outcome.finish_reason:
+                        reasons[outcome.request_id] = outcome.finish_reason
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -483,3 +521,92 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
         assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
         assert reasons[f"r{index}"] == "length"
     assert all(worker.kv_blocks_reserved == 0 for worker in map(policy.worker, ("w1", "w2")))
+
+
+# Pipelining: the next plan is sent while the one before runs
+
+
+def test_the_next_plan_feeds_the_token_the_plan_in_flight_samples():
+    policy = make_policy(pipeline_depth=2)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    policy.add_request(record("a", prompt_len=3, max_tokens=3))
+    first = policy.next_plan("w1")
+    second = policy.next_plan("w1")
+    assert policy.next_plan("w1") is None, "two plans in flight at most"
+    (item,) = second.items
+    assert (item.feeds_sampled, item.token_ids, item.start_position, item.sample, item.output_index) == (
+        True, (), 3, True, 1)
+    worker = FakeWorker({"a": record("a", prompt_len=3).prompt_token_ids})
+    assert [outcome.token_id for outcome in policy.on_result(worker.run(first))] == expected_output("a", 1)
+    third = policy.next_plan("w1")
+    assert [(item.feeds_sampled, item.start_position, item.output_index) for item in third.items] == [(True, 4, 2)]
+    policy.on_result(worker.run(second))
+    assert policy.next_plan("w1") is None, "its last token (max_tokens 3) is in flight: nothing more to plan"
+    outcomes = policy.on_result(worker.run(third))
+    assert [(outcome.token_id, outcome.finish_reason) for outcome in outcomes] == [(expected_output("a", 3)[-1], "length")]
+    assert worker.sampled_count["a"] == 3, "no token wasted when max_tokens ends it"
+
+
+@pytest.mark.parametrize("policy_name", ["iteration", "request"])
+def test_pipelined_plans_give_every_request_the_same_output(policy_name):
+    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16, pipeline_depth=2)
+    prompts = {}
+    for worker_id in ("w1", "w2"):
+        policy.worker_up(worker_id, kv_blocks_total=12, kv_block_size=4)
+    for index in range(20):
+        rec = record(f"r{index}", prompt_len=3 + index % 7, arrival=index, max_tokens=2 + index % 9,
+                     first_token=200 + index)
+        policy.add_request(rec)
+        prompts[rec.request_id] = rec.prompt_token_ids
+    workers = {"w1": FakeWorker(prompts), "w2": FakeWorker(prompts)}
+    outputs, reasons, depth_seen = drive_pipelined(policy, workers)
+    assert depth_seen == 2
+    for index in range(20):
+        assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
+        assert reasons[f"r{index}"] == "length"
+    assert all(worker.kv_blocks_reserved == 0 and not worker.running for worker in map(policy.worker, ("w1", "w2")))
+
+
+def test_a_stop_token_costs_at_most_one_speculative_token():
+    stop_at = {"a": 2, "b": 0, "c": 5}  # the output index where each samples a stop token
+
+    def token(request_id: str, index: int) -> int:
+        return 2 if index == stop_at[request_id] else token_for(request_id, index)
+
+    policy = make_policy(pipeline_depth=2)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    prompts = {}
+    for index, request_id in enumerate(stop_at):
+        rec = record(request_id, prompt_len=4, arrival=index, max_tokens=20, first_token=300 + 10 * index)
+        policy.add_request(rec)
+        prompts[request_id] = rec.prompt_token_ids
+    worker = FakeWorker(prompts, token)
+    outputs, reasons, _ = drive_pipelined(policy, {"w1": worker})
+    for request_id, index in stop_at.items():
+        assert outputs[request_id] == [token(request_id, i) for i in range(index + 1)]
+        assert reasons[request_id] == "stop"
+        assert worker.sampled_count[request_id] - len(outputs[request_id]) <= 1
+    assert policy.worker("w1").kv_blocks_reserved == 0
+
+
+def test_cancel_and_preemption_with_two_plans_in_flight():
+    policy = make_policy(pipeline_depth=2)
+    policy.worker_up("w1", kv_blocks_total=6, kv_block_size=4)  # 24 tokens
+    prompts = {}
+    for index, request_id in enumerate(("old", "young", "gone")):
+        rec = record(request_id, prompt_len=4, arrival=index, max_tokens=10, first_token=400 + 10 * index)
+        policy.add_request(rec)
+        prompts[request_id] = rec.prompt_token_ids
+    worker = FakeWorker(prompts)
+    first, second = policy.next_plan("w1"), policy.next_plan("w1")
+    assert {item.request_id for item in second.items} == {"old", "young", "gone"}
+    policy.cancel("gone")
+    first_tokens = {outcome.request_id: outcome.token_id for outcome in policy.on_result(worker.run(first))}
+    assert set(first_tokens) == {"old", "young"}, "the cancelled request's token is dropped"
+    third = policy.next_plan("w1")
+    assert "gone" in third.free_request_ids and "gone" not in {item.request_id for item in third.items}
+    outputs, reasons, _ = drive_pipelined(policy, {"w1": worker}, sent={"w1": [second, third]})
+    for request_id in ("old", "young"):  # they outgrow the pool: the young one is preempted and rebuilt
+        assert [first_tokens[request_id]] + outputs[request_id] == expected_output(request_id, 10)
+    assert reasons == {"old": "length", "young": "length"}
+    assert policy.worker("w1").kv_blocks_reserved == 0 and "gone" not in worker.kv

@@ -60,6 +60,7 @@ class FakeWorker:
         self.epoch: str | None = None
         self.kv: dict[str, list[int]] = {}
         self.seeds: dict[str, int] = {}
+        self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
         self.errors: list[str] = []
         self.plans: list[BatchPlan] = []
         self.stop = asyncio.Event()
@@ -116,9 +117,11 @@ class FakeWorker:
             self.epoch = plan.scheduler_epoch
             self.kv.clear()
             self.seeds.clear()
+            self.last_sampled.clear()
         for request_id in plan.free_request_ids:
             self.kv.pop(request_id, None)
             self.seeds.pop(request_id, None)
+            self.last_sampled.pop(request_id, None)
         for new in plan.new_requests:
             self.seeds[new.request_id] = new.sampling.seed
         tokens = []
@@ -132,7 +135,14 @@ class FakeWorker:
             if item.start_position != len(held):
                 self.errors.append(f"{item.request_id}: start {item.start_position} but KV holds {len(held)}")
                 continue
-            held.extend(item.token_ids)
+            if item.feeds_sampled:  # a pipelined plan: the token sampled in the plan before
+                index, token = self.last_sampled.get(item.request_id, (-1, -1))
+                if index != item.output_index - 1 or item.token_ids:
+                    self.errors.append(f"{item.request_id}: feeds output {index} to sample {item.output_index}")
+                    continue
+                held.append(token)
+            else:
+                held.extend(item.token_ids)
             seed, prompt = self.seeds[item.request_id], self.prompts[item.request_id]
             expected = list(prompt) + [fake_token(seed, index) for index in range(len(held) - len(prompt))]
             if held != expected[: len(held)]:
@@ -142,6 +152,7 @@ class FakeWorker:
                     self.errors.append(f"{item.request_id}: output_index {item.output_index} after {len(held)} tokens")
                 tokens.append(SampledToken(request_id=item.request_id, token_id=fake_token(seed, item.output_index),
                                            output_index=item.output_index))
+                self.last_sampled[item.request_id] = (item.output_index, tokens[-1].token_id)
         return PlanResult(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=self.worker_id,
                           tokens=tuple(tokens), kv_blocks_total=self.kv_blocks_total,
                           kv_blocks_free=self.kv_blocks_total, step_seconds=self.step_seconds)
@@ -254,6 +265,7 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert sum(record.prefill_tokens for record in records) >= sum(map(len, prompts.values()))
         assert {request_id for record in records for request_id in record.finished} == set(prompts)
         assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
+        assert any(item.feeds_sampled for plan in worker.plans for item in plan.items), "plans were pipelined"
         assert worker.errors == []
 
 

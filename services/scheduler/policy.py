@@ -9,6 +9,13 @@ worker's sampled tokens back and decides which requests finished, so a waiting r
 at the very next iteration. The "request" policy is the FasterTransformer-style baseline: a
 worker forms a batch only when it runs nothing, and nothing joins until the whole batch is done.
 
+Pipelining (Orca section 3.1.3, vLLM's async scheduling): up to `pipeline_depth` plans are in
+flight per worker, so the next iteration is planned and sent while the one before runs and the
+worker never waits on Redis and this bookkeeping. A request whose token is being sampled by a
+plan in flight steps again in the next plan with `feeds_sampled`: the worker feeds the token it
+sampled itself. Requests that will have reached max_tokens or the context are not planned
+again; one that ends on a stop token (or a cancel) costs at most that one speculative step.
+
 No Redis, no asyncio, no tensors here: services/scheduler/service.py moves the messages.
 """
 
@@ -83,6 +90,7 @@ class SchedulerPolicy:
         policy: Policy = "iteration",
         max_batch_size: int = 64,
         max_batch_tokens: int = 512,
+        pipeline_depth: int = 1,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if policy not in ("iteration", "request"):
@@ -91,6 +99,9 @@ class SchedulerPolicy:
         self.policy: Policy = policy
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        if pipeline_depth < 1:
+            raise ValueError("pipeline_depth must be at least 1")
+        self.pipeline_depth = pipeline_depth
         self.context_length = context_length
         self.stop_token_ids = frozenset(stop_token_ids)
         self._clock = clock
@@ -223,13 +234,13 @@ class SchedulerPolicy:
             self._requeue(worker, state)
         self._held_when_lost[worker_id] = set(moved) | set(worker.to_free)
         self._latest_draft.pop(worker_id, None)
-        log.info("worker_down worker_id=%s requeued=%d abandoned_plan=%s", worker_id, len(moved),
-                 worker.in_flight.plan.plan_id if worker.in_flight else None)
+        log.info("worker_down worker_id=%s requeued=%d abandoned_plans=%s", worker_id, len(moved),
+                 [flight.plan.plan_id for flight in worker.in_flight])
         return moved
 
     def reset_worker(self, worker_id: str) -> list[str]:
-        """Abandon a worker's plan in flight (lost, or far too slow) and rebuild its requests:
-        its next plan frees them all, whatever it did with the lost one."""
+        """Abandon a worker's plans in flight (lost, or far too slow) and rebuild its requests:
+        its next plan frees them all, whatever it did with the lost ones."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return []
@@ -237,12 +248,12 @@ class SchedulerPolicy:
         for state in list(worker.running.values()):
             self._requeue(worker, state)
         worker.known.clear()
-        if worker.in_flight is not None:
-            for new in worker.in_flight.plan.new_requests:
+        for flight in worker.in_flight:
+            for new in flight.plan.new_requests:
                 worker.to_free.setdefault(new.request_id)
-            for request_id in worker.in_flight.plan.free_request_ids:
+            for request_id in flight.plan.free_request_ids:
                 worker.to_free.setdefault(request_id)
-        worker.in_flight = None
+        worker.in_flight = []
         log.warning("worker_reset worker_id=%s requeued=%d", worker_id, len(moved))
         return moved
 
@@ -272,18 +283,20 @@ class SchedulerPolicy:
         return tuple(self._workers)
 
     def idle_workers(self) -> list[str]:
-        """Workers with no plan in flight, the one with the most free KV first (it gets the oldest
-        waiting request when several plan at once)."""
-        idle = [worker for worker in self._workers.values() if worker.in_flight is None]
-        idle.sort(key=lambda worker: (-worker.kv_blocks_free, worker.worker_id))
+        """Workers that can take another plan (fewer than pipeline_depth in flight): the fewest in
+        flight first, then the most free KV (it gets the oldest waiting request when several plan
+        at once)."""
+        idle = [worker for worker in self._workers.values() if len(worker.in_flight) < self.pipeline_depth]
+        idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_free, worker.worker_id))
         return [worker.worker_id for worker in idle]
 
     # Iterations
 
     def next_plan(self, worker_id: str) -> BatchPlan | None:
-        """The worker's next iteration, or None while its plan is in flight or it has nothing to do."""
+        """The worker's next iteration, or None while pipeline_depth plans are in flight or it has
+        nothing to do."""
         worker = self._workers.get(worker_id)
-        if worker is None or worker.in_flight is not None:
+        if worker is None or len(worker.in_flight) >= self.pipeline_depth:
             return None
         batch = _Batch(worker, budget=self.max_batch_tokens)
         forming = not worker.running  # the request policy admits only into an empty worker
@@ -297,18 +310,21 @@ class SchedulerPolicy:
     def on_result(self, result: PlanResult) -> list[TokenOutcome]:
         """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided."""
         worker = self._workers.get(result.worker_id)
-        flight = worker.in_flight if worker is not None else None
+        flight = worker.in_flight[0] if worker is not None and worker.in_flight else None
         if (
             worker is None
             or flight is None
             or result.scheduler_epoch != self.epoch
-            or result.plan_id != flight.plan.plan_id
+            or result.plan_id != flight.plan.plan_id  # a worker answers its plans in order
         ):
             log.debug("stale_result worker_id=%s plan_id=%d epoch=%s",
                       result.worker_id, result.plan_id, result.scheduler_epoch)
             return []
-        worker.in_flight = None
-        draft = _RecordDraft(flight, finished_at=self._clock())
+        worker.in_flight.pop(0)
+        now = self._clock()
+        flight.started_at = max(flight.started_at, worker.last_result_at)  # it ran after the plan before it
+        worker.last_result_at = now
+        draft = _RecordDraft(flight, finished_at=now)
         self._drafts.append(draft)
         self._latest_draft[worker.worker_id] = draft
         errors = {error.request_id: error for error in result.errors}
@@ -316,17 +332,18 @@ class SchedulerPolicy:
         outcomes: list[TokenOutcome] = []
         for item in flight.plan.items:
             state = worker.running.get(item.request_id)
-            if state is None or state.computed != item.start_position:
-                continue  # finished, cancelled or moved while the plan was in flight
+            if state is None or state.placement != flight.placements.get(item.request_id):
+                continue  # finished, cancelled, preempted or moved while the plan was in flight
+            if item.sample:
+                state.in_flight_samples -= 1
             error = errors.get(item.request_id)
             if error is not None:
                 self._on_item_error(worker, state, error.code, error.message)
                 continue
-            state.computed = item.start_position + len(item.token_ids)
             if not item.sample:
                 continue
             token = sampled.get(item.request_id)
-            if token is None or token.output_index != item.output_index:
+            if token is None or token.output_index != item.output_index or item.output_index > len(state.output_token_ids):
                 self._on_item_error(worker, state, "bad_item",
                                     f"expected a token at output_index {item.output_index}, got {token}")
                 continue
@@ -350,6 +367,8 @@ class SchedulerPolicy:
                 break
             if state.request_id not in worker.running or state.pending_tokens <= 0:
                 continue  # preempted to make room for an older one
+            if self._ends_in_flight(state):
+                continue  # its last token is being sampled
             chunk = min(state.pending_tokens, batch.budget)
             if self._make_room(batch, state, state.computed + chunk):
                 batch.chunks[state.request_id] = chunk
@@ -377,6 +396,11 @@ class SchedulerPolicy:
             state.kv_blocks += needed
             worker.kv_blocks_reserved += needed
         return True
+
+    def _ends_in_flight(self, state: RequestState) -> bool:
+        """A plan in flight samples its last token (max_tokens or the context reached)."""
+        return state.in_flight_samples > 0 and (state.planned_outputs >= state.sampling.max_tokens
+                                                or state.planned_tokens >= self.context_length)
 
     def _fair_order(self) -> list[str]:
         """Waiting requests in admission order: round-robin across client keys, FCFS within a key.
@@ -418,7 +442,7 @@ class SchedulerPolicy:
                     self._finished_without_token.append(state)
                     log.warning("request_id=%s needs more KV than any worker has", request_id)
                 continue
-            if target is not worker and not (target.in_flight is not None and blocks <= worker.kv_blocks_free):
+            if target is not worker and not (target.in_flight and blocks <= worker.kv_blocks_free):
                 # Meant for a worker with more free KV that plans soon; an idle worker with room
                 # takes it rather than let it wait for a busy one.
                 target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
@@ -467,6 +491,7 @@ class SchedulerPolicy:
     def _emit_plan(self, batch: _Batch) -> BatchPlan:
         worker = batch.worker
         items, joined = [], []
+        placements: dict[str, int] = {}
         prefill_tokens = decode_tokens = 0
         for request_id, chunk in batch.chunks.items():
             state = worker.running[request_id]
@@ -478,13 +503,17 @@ class SchedulerPolicy:
             if not state.stepped_on_worker:
                 joined.append(request_id)
                 state.stepped_on_worker = True
-            items.append(StepItem(
-                request_id=request_id,
-                token_ids=state.tokens(start, end),
-                start_position=start,
-                sample=end == state.total_tokens,
-                output_index=len(state.output_token_ids),
-            ))
+            if state.in_flight_samples:  # its input is the token a plan in flight samples
+                assert chunk == 1, "only the one token sampled in flight can be pending"
+                item = StepItem(request_id=request_id, token_ids=(), feeds_sampled=True, start_position=start,
+                                sample=True, output_index=state.planned_outputs)
+            else:
+                item = StepItem(request_id=request_id, token_ids=state.tokens(start, end), start_position=start,
+                                sample=end == state.total_tokens, output_index=len(state.output_token_ids))
+            items.append(item)
+            state.computed = end
+            state.in_flight_samples += item.sample
+            placements[request_id] = state.placement
         new_requests = [
             NewRequest(request_id=request_id, sampling=worker.running[request_id].sampling)
             for request_id in worker.running
@@ -501,7 +530,8 @@ class SchedulerPolicy:
         )
         self._next_plan_id += 1
         worker.to_free.clear()
-        worker.in_flight = PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens)
+        worker.in_flight.append(PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens,
+                                             placements))
         return plan
 
     # Internals: request lifecycle
@@ -539,7 +569,8 @@ class SchedulerPolicy:
             worker.kv_blocks_reserved -= state.kv_blocks
             worker.known.discard(state.request_id)
             worker.to_free.setdefault(state.request_id)
-        state.worker_id, state.computed, state.kv_blocks = None, 0, 0
+        state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples = None, 0, 0, 0
+        state.placement += 1
 
     def _requeue(self, worker: WorkerState, state: RequestState) -> None:
         self._release(state)

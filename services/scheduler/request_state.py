@@ -16,7 +16,11 @@ class RequestState:
     arrival_seq: int  # breaks ties between equal arrival times, so FCFS stays deterministic
     output_token_ids: list[int] = field(default_factory=list)
     worker_id: str | None = None  # the worker holding its KV (None while waiting)
-    computed: int = 0  # tokens of prompt + output already in that worker's KV
+    # Tokens of prompt + output in that worker's KV once the plans sent to it have run (plans
+    # are pipelined: the next one is planned while the one before runs).
+    computed: int = 0
+    in_flight_samples: int = 0  # tokens it samples in plans sent but not answered yet
+    placement: int = 0  # bumped whenever it leaves a worker: tells its stale plan items apart
     kv_blocks: int = 0  # KV blocks reserved for it on that worker
     status: Phase = "waiting"
     finish_reason: FinishReason | None = None
@@ -40,14 +44,24 @@ class RequestState:
         return len(self.record.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def planned_outputs(self) -> int:
+        """Output tokens once the plans in flight are answered."""
+        return len(self.output_token_ids) + self.in_flight_samples
+
+    @property
+    def planned_tokens(self) -> int:
+        """Prompt + output tokens once the plans in flight are answered."""
+        return self.total_tokens + self.in_flight_samples
+
+    @property
     def pending_tokens(self) -> int:
-        """Known tokens not yet in the worker's KV (1 for a decode step, more for a (re)prefill)."""
-        return self.total_tokens - self.computed
+        """Tokens not yet sent to the worker's KV (1 for a decode step, more for a (re)prefill)."""
+        return self.planned_tokens - self.computed
 
     @property
     def is_decoding(self) -> bool:
         """Its next step feeds only the token sampled at its previous step."""
-        return bool(self.output_token_ids) and self.computed == self.total_tokens - 1
+        return self.planned_outputs > 0 and self.computed == self.planned_tokens - 1
 
     @property
     def fcfs_key(self) -> tuple[float, int]:
@@ -68,13 +82,14 @@ class RequestState:
 
 @dataclass(eq=False)
 class PlanInFlight:
-    """The one plan a worker is running, kept until its result comes back."""
+    """A plan sent to a worker, kept until its result comes back."""
 
     plan: BatchPlan
-    started_at: float
+    started_at: float  # when it was sent (its step starts when the plan before it is done)
     joined: tuple[str, ...]
     prefill_tokens: int
     decode_tokens: int
+    placements: dict[str, int] = field(default_factory=dict)  # request id -> its placement when sent
 
 
 @dataclass(eq=False)
@@ -87,7 +102,8 @@ class WorkerState:
     known: set[str] = field(default_factory=set)  # got their NewRequest since they were last freed here
     to_free: dict[str, None] = field(default_factory=dict)  # left this worker since its last plan
     kv_blocks_reserved: int = 0
-    in_flight: PlanInFlight | None = None
+    in_flight: list[PlanInFlight] = field(default_factory=list)  # oldest first; the worker runs them in order
+    last_result_at: float = 0.0
 
     @property
     def kv_blocks_free(self) -> int:

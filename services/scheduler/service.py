@@ -114,6 +114,7 @@ class SchedulerService:
             stop_token_ids=tokenizer.stop_token_ids,
             policy=settings.policy,
             max_batch_size=settings.max_batch_size,
+            pipeline_depth=settings.pipeline_depth,
             max_batch_tokens=settings.max_batch_tokens,
         )
         self.started_at = time.time()
@@ -343,24 +344,30 @@ class SchedulerService:
         now = time.time()
         for worker_id in self.policy.worker_ids:
             worker = self.policy.worker(worker_id)
-            if worker.in_flight is not None and now - worker.in_flight.started_at > self.settings.stall_seconds:
-                log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight.plan.plan_id)
+            if worker.in_flight and now - worker.in_flight[0].started_at > self.settings.stall_seconds:
+                log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight[0].plan.plan_id)
                 self.policy.reset_worker(worker_id)
 
     def _dispatch(self) -> None:
-        for worker_id in self.policy.idle_workers():
-            plan = self.policy.next_plan(worker_id)
-            if plan is None:
-                continue
-            self._queue("xadd", keys.plan_stream(worker_id), {"m": encode(plan)},
-                        maxlen=PLAN_STREAM_MAXLEN, approximate=True)
-            for item in plan.items:
-                if item.request_id not in self._marked_running:
-                    self._marked_running.add(item.request_id)
-                    self._queue("hset", keys.request_key(item.request_id), "status", "running")
-            log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
-                      len(plan.items), len(plan.new_requests), len(plan.free_request_ids))
+        """Send every plan the workers can take now: with pipelining, up to pipeline_depth each."""
+        for _ in range(self.policy.pipeline_depth):
+            if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):
+                break
         self._publish_finished_without_token()
+
+    def _send_plan(self, worker_id: str) -> bool:
+        plan = self.policy.next_plan(worker_id)
+        if plan is None:
+            return False
+        self._queue("xadd", keys.plan_stream(worker_id), {"m": encode(plan)},
+                    maxlen=PLAN_STREAM_MAXLEN, approximate=True)
+        for item in plan.items:
+            if item.request_id not in self._marked_running:
+                self._marked_running.add(item.request_id)
+                self._queue("hset", keys.request_key(item.request_id), "status", "running")
+        log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
+                  len(plan.items), len(plan.new_requests), len(plan.free_request_ids))
+        return True
 
     # Streams
 

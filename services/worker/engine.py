@@ -62,6 +62,7 @@ class Engine:
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.config: ModelConfig = model.config
         self._sampling: dict[str, SamplingParams] = {}
+        self._last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token) sampled last
         self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens)
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
 
@@ -110,10 +111,12 @@ class Engine:
     def free(self, request_id: str) -> None:
         """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
         self._sampling.pop(request_id, None)
+        self._last_sampled.pop(request_id, None)
         self._free_kv(request_id)
 
     def reset(self) -> None:
         self._sampling.clear()
+        self._last_sampled.clear()
         self.kv_cache.free_all()
         if self.workspace is not None:
             self.workspace.clear()
@@ -128,6 +131,16 @@ class Engine:
         return len(self._sampling)
 
     # One iteration
+
+    def _resolve(self, item: StepItem) -> StepItem | ItemError:
+        """The item with its input token filled in when it feeds the token sampled before it."""
+        if not item.feeds_sampled:
+            return item
+        last = self._last_sampled.get(item.request_id)
+        if item.token_ids or last is None or last[0] != item.output_index - 1:
+            return ItemError(request_id=item.request_id, code="bad_item",
+                             message=f"no token sampled at output_index {item.output_index - 1} to feed")
+        return item.model_copy(update={"token_ids": (last[1],), "feeds_sampled": False})
 
     def _check(self, item: StepItem) -> ItemError | None:
         def error(code, message):
@@ -153,6 +166,11 @@ class Engine:
         outcome = StepOutcome()
         runnable: list[StepItem] = []
         for item in items:
+            if item.feeds_sampled and item.request_id in self._sampling:
+                item = self._resolve(item)
+                if isinstance(item, ItemError):
+                    outcome.errors.append(item)
+                    continue
             if (problem := self._check(item)) is not None:
                 outcome.errors.append(problem)
                 continue
@@ -214,5 +232,6 @@ class Engine:
         tokens = sample_tokens(logits, params, [item.output_index for item in sampled])
         for row, (item, token) in enumerate(zip(sampled, tokens)):
             outcome.tokens[item.request_id] = token
+            self._last_sampled[item.request_id] = (item.output_index, token)
             if return_logits:
                 outcome.logits[item.request_id] = logits[row].cpu()
