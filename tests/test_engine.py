@@ -150,7 +150,8 @@ def test_both_attention_paths_give_the_same_logits():
                                    atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("workspace_tokens", [65536, 96, 0], ids=["workspace", "tight-workspace", "no-workspace"])
+@pytest.mark.parametrize("workspace_tokens", [65536, 2048, 96, 0],
+                         ids=["workspace", "small-workspace", "tight-workspace", "no-workspace"])
 def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_tokens):
     """Requests join, decode, skip steps, get rebuilt from their first token, leave, and grow past
     the decode workspace's capacity; at every step the batched path (with its workspace kept

@@ -25,15 +25,16 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class DecodeWorkspace:
-    def __init__(self, kv_cache: PagedKVCache, max_tokens: int):
+    def __init__(self, kv_cache: PagedKVCache, max_tokens: int, rows_hint: int = 64):
         self.kv_cache = kv_cache
         self.max_tokens = max_tokens
+        self.rows_hint = rows_hint  # rows to allocate at once (the batch size): a reallocation is costly
         self.keys: torch.Tensor | None = None  # [layers, rows, Hkv, capacity, D]
         self.values: torch.Tensor | None = None
         self._row_of: dict[str, int] = {}
         self._order: list[str] = []  # request id of each used row
         self._length: dict[str, int] = {}  # tokens of each row that match the pool
-        self._finite_context = 0  # positions 0 .. this - 1 of every row hold finite numbers
+        self._finite_context = 0  # positions 0 .. this - 1 of every used row hold finite numbers
 
     @property
     def rows(self) -> int:
@@ -95,37 +96,39 @@ class DecodeWorkspace:
         if self.keys is None or rows > self.keys.shape[1] or context > self.keys.shape[3]:
             if not self._allocate(rows, context):
                 return False
-        if context > self._finite_context:  # positions every row may now read: make them finite
-            self.keys[:, :, :, self._finite_context : context] = 0
-            self.values[:, :, :, self._finite_context : context] = 0
+        if context > self._finite_context:  # positions the used rows may now read: make them finite
+            used = len(self._order)
+            self.keys[:, :used, :, self._finite_context : context] = 0
+            self.values[:, :used, :, self._finite_context : context] = 0
             self._finite_context = context
         return True
 
     def _allocate(self, rows: int, context: int) -> bool:
         """New tensors with room for `rows` rows of at least `context` tokens; the used rows move over.
 
-        The context axis takes the whole budget: torch.empty only reserves address space, and a
-        page costs memory (and a page fault) when first written, so capacity nobody reaches is
-        free, and a growing context never forces a reallocation."""
-        old_rows = 0 if self.keys is None else self.keys.shape[1]
-        new_rows = max(_round_up(rows, ROW_ALIGN), min(2 * old_rows, _round_up(2 * rows, ROW_ALIGN)))
-        if self.max_tokens // new_rows < context:
-            new_rows = rows
-        capacity = self.max_tokens // new_rows
-        if capacity < context:
+        Rows for the whole batch at once, and the context axis takes the rest of the budget:
+        torch.empty only reserves address space, and a page costs memory (and a page fault, slow
+        on VMs) when first written, so room nobody reaches is free, and neither a growing batch
+        nor a growing context forces a reallocation (and a copy into fresh pages) until one of
+        them outgrows it."""
+        aligned = _round_up(rows, ROW_ALIGN)
+        for new_rows in (max(self.rows_hint, aligned), 2 * aligned, aligned, rows):
+            if new_rows >= rows and self.max_tokens // new_rows >= context:
+                break
+        else:
             return False
+        capacity = self.max_tokens // new_rows
         pool = self.kv_cache.keys  # [layers, slots, Hkv, D]
         shape = (pool.shape[0], new_rows, pool.shape[2], capacity, pool.shape[3])
         keys = torch.empty(shape, device=pool.device, dtype=pool.dtype)
         values = torch.empty(shape, device=pool.device, dtype=pool.dtype)
-        # Masked positions must still hold finite numbers (0 x NaN is NaN): zero what can be read.
-        keys[:, :, :, :context] = 0
-        values[:, :, :, :context] = 0
-        if self.keys is not None:
-            for request_id, row in self._row_of.items():
-                length = self._length[request_id]
-                keys[:, row, :, :length] = self.keys[:, row, :, :length]
-                values[:, row, :, :length] = self.values[:, row, :, :length]
+        # Masked positions must still hold finite numbers (0 x NaN is NaN): the used rows are
+        # copied and zeroed up to `context`, a row taken later is zeroed when it is filled.
+        for request_id, row in self._row_of.items():
+            length = self._length[request_id]
+            for new, old in ((keys, self.keys), (values, self.values)):
+                new[:, row, :, :length] = old[:, row, :, :length]
+                new[:, row, :, length:context] = 0
         self.keys, self.values, self._finite_context = keys, values, context
         return True
 
@@ -134,6 +137,8 @@ class DecodeWorkspace:
         self._order.append(request_id)
         self._row_of[request_id] = row
         self._length[request_id] = start
+        self.keys[:, row, :, start : self._finite_context] = 0
+        self.values[:, row, :, start : self._finite_context] = 0
         if start == 0:
             return
         slots = torch.tensor(self.kv_cache.slots(request_id, 0, start), dtype=torch.long, device=self.keys.device)

@@ -58,12 +58,13 @@ def free_memory_bytes(device: torch.device) -> int:
 
 class Engine:
     def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched",
-                 decode_workspace_tokens: int = Settings().decode_workspace_tokens):
+                 decode_workspace_tokens: int = Settings().decode_workspace_tokens,
+                 max_batch_size: int = Settings().max_batch_size):
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.config: ModelConfig = model.config
         self._sampling: dict[str, SamplingParams] = {}
         self._last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token) sampled last
-        self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens)
+        self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens, rows_hint=max_batch_size)
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
 
     @classmethod
@@ -74,7 +75,7 @@ class Engine:
         dtype = pick_dtype(settings.dtype, device)
         model = Llama(metadata.config, load_weights(metadata), device, dtype)
         engine = cls(model, cls._kv_cache_for(metadata.config, settings, device, dtype), settings.attention,
-                     settings.decode_workspace_tokens)
+                     settings.decode_workspace_tokens, settings.max_batch_size)
         log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d seconds=%.2f",
                  metadata.name, device, dtype, settings.kv_blocks, time.perf_counter() - started)
         return engine
