@@ -163,6 +163,11 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
     live: dict[str, list[int]] = {}  # request id -> every token fed or sampled so far
     fed: dict[str, int] = {}  # tokens whose KV is written
     for step_index in range(120):
+        if step_index == 60:  # a new scheduler epoch: everything dropped, the workspace's memory kept
+            for engine in (reference, batched):
+                engine.reset()
+            live.clear()
+            fed.clear()
         items = []
         for request_id in sorted(live):
             roll = rng.random()

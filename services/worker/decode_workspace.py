@@ -62,13 +62,17 @@ class DecodeWorkspace:
             self._order[row], self._row_of[moved] = moved, row
         self._order.pop()
 
-    def clear(self) -> None:
-        """Forget every row and release the memory."""
+    def forget(self) -> None:
+        """Forget every row, keeping the memory (its pages are already touched) for the next ones."""
         self._row_of.clear()
         self._order.clear()
         self._length.clear()
-        self.keys = self.values = None
         self._finite_context = 0
+
+    def clear(self) -> None:
+        """Forget every row and release the memory."""
+        self.forget()
+        self.keys = self.values = None
 
     def prepare(self, decodes: list[tuple[str, int]]) -> list[int] | None:
         """Make the rows hold exactly these (request id, start position) decode requests, each

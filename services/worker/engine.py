@@ -120,7 +120,7 @@ class Engine:
         self._last_sampled.clear()
         self.kv_cache.free_all()
         if self.workspace is not None:
-            self.workspace.clear()
+            self.workspace.forget()
 
     def _free_kv(self, request_id: str) -> None:
         self.kv_cache.free(request_id)
@@ -223,7 +223,7 @@ class Engine:
             )
         except BaseException:
             if self.workspace is not None:
-                self.workspace.clear()  # rows may be half-written: none can be trusted
+                self.workspace.forget()  # rows may be half-written: none can be trusted
             raise
         for item in items:
             self.kv_cache.set_length(item.request_id, item.start_position + len(item.token_ids))
