@@ -162,6 +162,7 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
     rng = random.Random(7)
     live: dict[str, list[int]] = {}  # request id -> every token fed or sampled so far
     fed: dict[str, int] = {}  # tokens whose KV is written
+    longest = 0
     for step_index in range(120):
         if step_index == 60:  # a new scheduler epoch: everything dropped, the workspace's memory kept
             for engine in (reference, batched):
@@ -198,12 +199,12 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
             torch.testing.assert_close(actual.logits[request_id], logits, atol=1e-4, rtol=1e-4,
                                        msg=lambda m: f"step {step_index}, {request_id}: {m}")
             live[request_id] = live[request_id][: fed[request_id]] + [expected.tokens[request_id]]
+            longest = max(longest, len(live[request_id]))
     workspace = batched.workspace
     if workspace_tokens:
         assert workspace is not None and workspace.capacity_tokens <= workspace_tokens
     else:
         assert workspace is None
-    longest = max(len(tokens) for tokens in live.values())
     assert longest > 150, "some request should have outgrown the workspace's first capacity"
 
 
