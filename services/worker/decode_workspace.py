@@ -37,15 +37,8 @@ class DecodeWorkspace:
         self._finite_context = 0  # positions 0 .. this - 1 of every used row hold finite numbers
 
     @property
-    def rows(self) -> int:
-        return len(self._order)
-
-    @property
     def capacity_tokens(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1] * self.keys.shape[3]
-
-    def row_of(self, request_id: str) -> int | None:
-        return self._row_of.get(request_id)
 
     def drop(self, request_id: str) -> None:
         """Give a request's row up (its KV was freed or will change outside the workspace)."""
