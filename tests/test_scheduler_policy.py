@@ -84,6 +84,14 @@ class FakeWorker:
         return answer(plan, self.token)
 
 
+def collect(outcomes, outputs: dict[str, list[int]], reasons: dict[str, str]) -> None:
+    for outcome in outcomes:
+        assert outcome.output_index == len(outcome.request.output_token_ids) - 1
+        outputs[outcome.request_id].append(outcome.token_id)
+        if outcome.finish_reason:
+            reasons[outcome.request_id] = outcome.finish_reason
+
+
 def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: int = 500):
     """Run every worker's iterations until no request is left; returns outputs and finish reasons."""
     outputs: dict[str, list[int]] = defaultdict(list)
@@ -97,11 +105,7 @@ def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: i
             if plan is None:
                 continue
             plans.append(plan)
-            for outcome in policy.on_result(worker.run(plan)):
-                assert outcome.output_index == len(outcome.request.output_token_ids) - 1
-                outputs[outcome.request_id].append(outcome.token_id)
-                if outcome.finish_reason:
-                    reasons[outcome.request_id] = outcome.finish_reason
+            collect(policy.on_result(worker.run(plan)), outputs, reasons)
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -124,11 +128,7 @@ def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max
                 queued[worker_id].append(plan)
             depth_seen = max(depth_seen, len(queued[worker_id]))
             if queued[worker_id]:
-                for outcome in policy.on_result(worker.run(queued[worker_id].pop(0))):
-                    assert outcome.output_index == len(outcome.request.output_token_ids) - 1
-                    outputs[outcome.request_id].append(outcome.token_id)
-                    if outcome.finish_reason:
-                        reasons[outcome.request_id] = outcome.finish_reason
+                collect(policy.on_result(worker.run(queued[worker_id].pop(0))), outputs, reasons)
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -504,9 +504,10 @@ def test_request_too_big_for_any_worker_finishes_with_length():
         ("huge", "length")]
 
 
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
 @pytest.mark.parametrize("policy_name", ["iteration", "request"])
-def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_name):
-    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16)
+def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_name, pipeline_depth):
+    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16, pipeline_depth=pipeline_depth)
     prompts = {}
     for worker_id in ("w1", "w2"):
         policy.worker_up(worker_id, kv_blocks_total=12, kv_block_size=4)
@@ -516,11 +517,12 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
         policy.add_request(rec)
         prompts[rec.request_id] = rec.prompt_token_ids
     workers = {"w1": FakeWorker(prompts), "w2": FakeWorker(prompts)}
-    outputs, reasons, _ = drive(policy, workers)
+    outputs, reasons, depth_seen = drive_pipelined(policy, workers)
+    assert depth_seen == pipeline_depth
     for index in range(20):
         assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
         assert reasons[f"r{index}"] == "length"
-    assert all(worker.kv_blocks_reserved == 0 for worker in map(policy.worker, ("w1", "w2")))
+    assert all(worker.kv_blocks_reserved == 0 and not worker.running for worker in map(policy.worker, ("w1", "w2")))
 
 
 # Pipelining: the next plan is sent while the one before runs
@@ -545,26 +547,6 @@ def test_the_next_plan_feeds_the_token_the_plan_in_flight_samples():
     outcomes = policy.on_result(worker.run(third))
     assert [(outcome.token_id, outcome.finish_reason) for outcome in outcomes] == [(expected_output("a", 3)[-1], "length")]
     assert worker.sampled_count["a"] == 3, "no token wasted when max_tokens ends it"
-
-
-@pytest.mark.parametrize("policy_name", ["iteration", "request"])
-def test_pipelined_plans_give_every_request_the_same_output(policy_name):
-    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16, pipeline_depth=2)
-    prompts = {}
-    for worker_id in ("w1", "w2"):
-        policy.worker_up(worker_id, kv_blocks_total=12, kv_block_size=4)
-    for index in range(20):
-        rec = record(f"r{index}", prompt_len=3 + index % 7, arrival=index, max_tokens=2 + index % 9,
-                     first_token=200 + index)
-        policy.add_request(rec)
-        prompts[rec.request_id] = rec.prompt_token_ids
-    workers = {"w1": FakeWorker(prompts), "w2": FakeWorker(prompts)}
-    outputs, reasons, depth_seen = drive_pipelined(policy, workers)
-    assert depth_seen == 2
-    for index in range(20):
-        assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
-        assert reasons[f"r{index}"] == "length"
-    assert all(worker.kv_blocks_reserved == 0 and not worker.running for worker in map(policy.worker, ("w1", "w2")))
 
 
 def test_a_stop_token_costs_at_most_one_speculative_token():
