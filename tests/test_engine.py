@@ -208,6 +208,15 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
     assert longest > 150, "some request should have outgrown the workspace's first capacity"
 
 
+def test_the_per_request_path_leaves_the_decode_workspace_alone():
+    engine = Engine.tiny(attention="batched")
+    engine.attention = "per_request"  # switched at run time, as the engine benchmark does
+    engine.add_request("a", GREEDY)
+    token = engine.step([prefill_item("a", [5, 6, 7])]).tokens["a"]
+    engine.step([decode_item("a", token, 3, 1)])
+    assert engine.workspace is not None and engine.workspace.capacity_tokens == 0
+
+
 # Paged KV cache
 
 

@@ -207,7 +207,7 @@ class Engine:
         config = self.config
         workspace = None
         decodes = [(item.request_id, item.start_position) for item in items if len(item.token_ids) == 1]
-        if self.workspace is not None and decodes:
+        if self.workspace is not None and decodes and self.attention == "batched":
             rows = self.workspace.prepare(decodes)
             if rows is not None:
                 workspace = (self.workspace.keys, self.workspace.values, rows)
