@@ -202,7 +202,7 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
             "required": ["object", "data"],
             "properties": {
                 "object": {"type": "string", "enum": ["list"]},
-                "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
+                "data": {"type": "array", "items": _schema_ref("Model")},
             },
         },
         "RequestStatus": {
@@ -246,18 +246,32 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
     }
 
 
+def _schema_ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json_response(description: str, schema_name: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": _schema_ref(schema_name)}}}
+
+
+def _read_operation(summary: str, parameters: list[dict], ok: dict[str, Any], *error_statuses: int) -> dict[str, Any]:
+    """A GET or DELETE answering JSON on 200, with OpenAI-style error bodies."""
+    return {"summary": summary, **({"parameters": parameters} if parameters else {}),
+            "responses": {"200": ok, **_error_responses(*error_statuses)}}
+
+
 def _generation_operation(summary: str, request_schema: str, response_schema: str) -> dict[str, Any]:
     return {
         "summary": summary,
         "requestBody": {
             "required": True,
-            "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{request_schema}"}}},
+            "content": {JSON: {"schema": _schema_ref(request_schema)}},
         },
         "responses": {
             "200": {
                 "description": "the whole answer, or with `stream: true` server-sent events ending with `data: [DONE]`",
                 "content": {
-                    JSON: {"schema": {"$ref": f"#/components/schemas/{response_schema}"}},
+                    JSON: {"schema": _schema_ref(response_schema)},
                     "text/event-stream": {"schema": SSE_EVENT},
                 },
             },
@@ -287,45 +301,18 @@ def openapi_document(settings: Settings, model_name: str, keys_required: bool, c
                 "post": _generation_operation("Answer a conversation", "ChatCompletionRequest", "ChatCompletion"),
             },
             "/v1/models": {
-                "get": {
-                    "summary": "The served model",
-                    "responses": {
-                        "200": {"description": "one model", "content": {JSON: {"schema": {
-                            "$ref": "#/components/schemas/ModelList"}}}},
-                        **_error_responses(401),
-                    },
-                },
+                "get": _read_operation("The served model", [], _json_response("one model", "ModelList"), 401),
             },
             "/v1/models/{model_name}": {
-                "get": {
-                    "summary": "One model (only the served one exists)",
-                    "parameters": [model_name],
-                    "responses": {
-                        "200": {"description": "the model", "content": {JSON: {"schema": {
-                            "$ref": "#/components/schemas/Model"}}}},
-                        **_error_responses(401, 404),
-                    },
-                },
+                "get": _read_operation("One model (only the served one exists)", [model_name],
+                                       _json_response("the model", "Model"), 401, 404),
             },
             "/v1/requests/{request_id}": {
-                "get": {
-                    "summary": "A request's status (only for the key that sent it)",
-                    "parameters": [request_id],
-                    "responses": {
-                        "200": {"description": "its status", "content": {JSON: {"schema": {
-                            "$ref": "#/components/schemas/RequestStatus"}}}},
-                        **_error_responses(401, 404, 503),
-                    },
-                },
-                "delete": {
-                    "summary": "Cancel a request (harmless once it ended)",
-                    "parameters": [request_id],
-                    "responses": {
-                        "200": {"description": "cancel sent, or the request had ended", "content": {JSON: {"schema": {
-                            "$ref": "#/components/schemas/RequestCancel"}}}},
-                        **_error_responses(401, 404, 503),
-                    },
-                },
+                "get": _read_operation("A request's status (only for the key that sent it)", [request_id],
+                                       _json_response("its status", "RequestStatus"), 401, 404, 503),
+                "delete": _read_operation("Cancel a request (harmless once it ended)", [request_id],
+                                          _json_response("cancel sent, or the request had ended", "RequestCancel"),
+                                          401, 404, 503),
             },
             "/v1/requests/{request_id}/stream": {
                 "get": {
@@ -348,10 +335,8 @@ def openapi_document(settings: Settings, model_name: str, keys_required: bool, c
                     "summary": "200 when Redis, the scheduler and a worker are alive and requests move",
                     "security": [],
                     "responses": {
-                        "200": {"description": "healthy", "content": {JSON: {"schema": {
-                            "$ref": "#/components/schemas/Health"}}}},
-                        "503": {"description": "unhealthy: `missing` says what", "content": {JSON: {"schema": {
-                            "$ref": "#/components/schemas/Health"}}}},
+                        "200": _json_response("healthy", "Health"),
+                        "503": _json_response("unhealthy: `missing` says what", "Health"),
                     },
                 },
             },
