@@ -38,7 +38,8 @@ def _get_json(url: str, timeout: float = 3.0) -> tuple[int, dict]:
 
 class ServerProcess:
     def __init__(self, *, policy: str = "iteration", workers: int = 1, kv_blocks: int = 2048,
-                 threads: int | None = None, extra_args: tuple[str, ...] = (), log_path: Path | None = None) -> None:
+                 threads: int | None = None, extra_args: tuple[str, ...] = (), log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.policy, self.workers, self.kv_blocks, self.threads = policy, workers, kv_blocks, threads
@@ -51,6 +52,7 @@ class ServerProcess:
         self.env = dict(os.environ) | {"ITERSERVE_DATA_DIR": self.data_dir, "PYTHONUNBUFFERED": "1"}
         for variable in ("REDIS_URL", "ITERSERVE_PORT", "ITERSERVE_WORKERS", "ITERSERVE_POLICY", "ITERSERVE_THREADS"):
             self.env.pop(variable, None)
+        self.env |= env or {}
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -149,12 +151,19 @@ class ServerProcess:
     def stop(self) -> None:
         if self.process is None:
             return
+        self.terminate()
+        self.kill_group_and_reap()
+
+    def terminate(self) -> None:
+        """SIGTERM `up`, as a user's Ctrl-C would, and wait (bounded) for it to exit."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=STOP_TIMEOUT_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
+
+    def kill_group_and_reap(self) -> None:
         try:  # whatever is left of the group goes
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
