@@ -668,6 +668,17 @@ async def test_redis_down_answers_503_then_recovers_after_restart(tokenizer):
 
 
 
+async def until_listening(send):
+    """The response to send() once the gateway listens (run_gateway binds its port in the background)."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        try:
+            return await send()
+        except aiohttp.ClientConnectionError:
+            assert time.monotonic() < deadline, "run_gateway never listened"
+            await asyncio.sleep(0.05)
+
+
 async def test_run_gateway_serves_on_its_port_until_stopped(redis_url, redis_client):
     from tests.redis_server import free_port
 
@@ -676,15 +687,8 @@ async def test_run_gateway_serves_on_its_port_until_stopped(redis_url, redis_cli
     serving = asyncio.create_task(run_gateway(gateway_settings(redis_url, port=port), stop_event))
     try:
         async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + WAIT_SECONDS
-            while True:
-                try:
-                    async with session.get(f"http://127.0.0.1:{port}/v1/models") as response:
-                        assert response.status == 200
-                        break
-                except aiohttp.ClientConnectionError:
-                    assert time.monotonic() < deadline, "run_gateway never listened"
-                    await asyncio.sleep(0.05)
+            async with await until_listening(lambda: session.get(f"http://127.0.0.1:{port}/v1/models")) as response:
+                assert response.status == 200
     finally:
         stop_event.set()
         await asyncio.wait_for(serving, WAIT_SECONDS)
@@ -699,15 +703,8 @@ async def test_a_stopping_gateway_leaves_its_open_streams_running_for_a_reattach
     serving = asyncio.create_task(run_gateway(gateway_settings(redis_url, port=port), stop_event))
     try:
         async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + WAIT_SECONDS
-            while True:
-                try:
-                    response = await session.post(f"http://127.0.0.1:{port}{COMPLETIONS}",
-                                                  json={**GOOD_COMPLETION, "stream": True})
-                    break
-                except aiohttp.ClientConnectionError:
-                    assert time.monotonic() < deadline, "run_gateway never listened"
-                    await asyncio.sleep(0.05)
+            response = await until_listening(lambda: session.post(f"http://127.0.0.1:{port}{COMPLETIONS}",
+                                                                  json={**GOOD_COMPLETION, "stream": True}))
             request_id = (await redis_client.xrange(keys.NEW_REQUESTS_STREAM))[0][1][b"id"].decode()
             stop_event.set()  # SIGTERM: the gateway closes the stream on its way out
             await asyncio.wait_for(serving, 20)

@@ -324,16 +324,22 @@ def test_kv_cache_full_error_from_the_worker_requeues_the_request():
     assert "b" in [new.request_id for new in plan.new_requests]
 
 
-def test_worker_down_moves_its_requests_to_another_worker_rebuilt_from_prompt_and_output():
+def two_requests_running_on_w1(max_tokens: int, steps: int):
+    """r0 and r1 after `steps` iterations on worker w1; returns the policy, their prompts and w1."""
     policy = make_policy()
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     prompts = {}
     for index in range(2):
-        policy.add_request(rec := record(f"r{index}", arrival=index, max_tokens=5))
+        policy.add_request(rec := record(f"r{index}", arrival=index, max_tokens=max_tokens))
         prompts[rec.request_id] = rec.prompt_token_ids
     w1 = FakeWorker(prompts)
-    for _ in range(3):
+    for _ in range(steps):
         policy.on_result(w1.run(policy.next_plan("w1")))
+    return policy, prompts, w1
+
+
+def test_worker_down_moves_its_requests_to_another_worker_rebuilt_from_prompt_and_output():
+    policy, prompts, _ = two_requests_running_on_w1(max_tokens=5, steps=3)
     in_flight = policy.next_plan("w1")  # a plan in flight when w1 dies is abandoned
     policy.worker_up("w2", kv_blocks_total=100, kv_block_size=4)
     assert sorted(policy.worker_down("w1")) == ["r0", "r1"]
@@ -403,15 +409,7 @@ def test_draining_worker_gets_no_new_requests():
 
 
 def test_a_draining_worker_hands_its_requests_over_to_another_which_rebuilds_them():
-    policy = make_policy()
-    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
-    prompts = {}
-    for index in range(2):
-        policy.add_request(rec := record(f"r{index}", arrival=index, max_tokens=6))
-        prompts[rec.request_id] = rec.prompt_token_ids
-    w1 = FakeWorker(prompts)
-    for _ in range(2):
-        policy.on_result(w1.run(policy.next_plan("w1")))
+    policy, prompts, w1 = two_requests_running_on_w1(max_tokens=6, steps=2)
     assert policy.set_draining("w1", True) == [], "no other worker: they stay and finish on w1"
     plan = policy.next_plan("w1")
     assert sorted(item.request_id for item in plan.items) == ["r0", "r1"]
