@@ -56,6 +56,30 @@ def _generation_properties(settings: Settings, context_length: int) -> dict[str,
     }
 
 
+def _answer_schema(object_name: str, content_name: str, content: dict, finish_reason: dict,
+                   usage: dict) -> dict[str, Any]:
+    """A non-streamed answer whose one choice carries `content_name`."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [object_name]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", content_name, "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, content_name: content, "finish_reason": finish_reason},
+                },
+            },
+            "usage": usage,
+        },
+    }
+
+
 def _schemas(settings: Settings, model_name: str, context_length: int, vocab_size: int) -> dict[str, Any]:
     usage = {
         "type": "object",
@@ -136,56 +160,12 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
                 **generation,
             },
         },
-        "Completion": {
+        "Completion": _answer_schema("text_completion", "text", {"type": "string"}, finish_reason, usage),
+        "ChatCompletion": _answer_schema("chat.completion", "message", {
             "type": "object",
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"type": "string", "enum": ["text_completion"]},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["index", "text", "finish_reason"],
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "text": {"type": "string"},
-                            "finish_reason": finish_reason,
-                        },
-                    },
-                },
-                "usage": usage,
-            },
-        },
-        "ChatCompletion": {
-            "type": "object",
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"type": "string", "enum": ["chat.completion"]},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["index", "message", "finish_reason"],
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "message": {
-                                "type": "object",
-                                "required": ["role", "content"],
-                                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
-                            },
-                            "finish_reason": finish_reason,
-                        },
-                    },
-                },
-                "usage": usage,
-            },
-        },
+            "required": ["role", "content"],
+            "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+        }, finish_reason, usage),
         "Model": {
             "type": "object",
             "required": ["id", "object", "created", "owned_by"],
