@@ -24,6 +24,8 @@ SERVICE_OPTIONS = {
     "--port": ("port", int, "gateway port (default 8000)"),
     "--model": ("model", str, "model name or path to a GGUF file (default: SmolLM2-135M-Instruct)"),
     "--policy": ("policy", str, "iteration (Orca) or request (FasterTransformer-style baseline)"),
+    "--request-results": ("request_results", str,
+                          "policy request: batch (results when the whole batch is done, as in Orca's baseline) or stream"),
     "--max-batch-size": ("max_batch_size", int, "requests per iteration per worker (default 64)"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget per iteration per worker (default 512)"),
     "--pipeline-depth": ("pipeline_depth", int, "plans in flight per worker (default 2: the next is planned while one runs)"),

@@ -26,6 +26,10 @@ class Settings(BaseModel):
     model: str = DEFAULT_MODEL  # the model's name, or a path to a GGUF file
     # Scheduling
     policy: Literal["iteration", "request"] = "iteration"
+    # Policy "request" only: "batch" returns a batch's results together once the whole batch is
+    # done (Orca's request-level baseline, FasterTransformer's behaviour); "stream" streams each
+    # token as it is sampled (a stronger baseline: early-finished requests return at once).
+    request_results: Literal["batch", "stream"] = "batch"
     max_batch_size: int = Field(64, ge=1)
     max_batch_tokens: int = Field(512, ge=1)  # token budget of one iteration (prefill chunks)
     # Plans in flight per worker: 2 plans iteration k+1 while k runs (Orca's pipelining); 1 waits.

@@ -339,7 +339,8 @@ def test_experiments_report_renders_every_section(tmp_path):
         "capacity_requests_per_s": 2.0, "elapsed_s": 60,
         "orca_vs_request": {
             "iteration": [_point(synthetic_report(1.0), 1.0), _point(synthetic_report(0.5), 2.0)],
-            "request": [_point(synthetic_report(1.0, e2e=0.8), 1.0), _point(synthetic_report(0.9, e2e=1.0), 2.0)]},
+            "request": [_point(synthetic_report(1.0, e2e=0.8), 1.0), _point(synthetic_report(0.9, e2e=1.0), 2.0)],
+            "request-stream": [_point(synthetic_report(1.0, e2e=0.7), 1.0)]},
         "overhead": {
             "system_run": saturation,
             "timeline": {"iterations": 10, "window_s": 0.6, "engine_s": 0.5, "transport_s": 0.05, "scheduler_s": 0.05,
@@ -359,7 +360,9 @@ def test_experiments_report_renders_every_section(tmp_path):
     for heading in ("## 1. Orca", "## 2. Serving overhead", "## 3. Horizontal scaling", "## 4. Cancellation"):
         assert heading in text
     assert "System / engine alone" in text and "| worker | 3.0 |" in text
-    assert results["orca_headline"]["rate"] == 2.0
+    assert results["orca_headline"]["request"]["rate"] == 2.0
+    assert results["orca_headline"]["request-stream"]["rate"] == 1.0
+    assert "Against `request-stream`" in text and "| request-stream | 1 |" in text
 
 
 def test_a_full_run_rewrites_only_the_readme_headline_block(tmp_path, monkeypatch):
@@ -369,12 +372,12 @@ def test_a_full_run_rewrites_only_the_readme_headline_block(tmp_path, monkeypatc
     readme.write_text(f"# x\n\nbefore\n\n{experiments.README_START}\nold\n{experiments.README_END}\n\nafter\n")
     monkeypatch.setattr(experiments, "README", readme)
     results = {"machine": {"cpu": "Some CPU", "cores": 2, "platform": "linux", "python": "3.11"}, "command": "c",
-               "sizes": {"workload": "orca"}, "orca_headline": {"latency_ms": 300, "ratio": 2.5, "lower_bound": False},
+               "sizes": {"workload": "orca"}, "orca_headline": {"request": {"latency_ms": 300, "ratio": 2.5, "lower_bound": False}},
                "orca_vs_request": {"iteration": [_point_for_readme()]}}
     experiments.update_readme(results, tmp_path)
     text = readme.read_text()
     assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
-    assert "Some CPU, 2 cores" in text and "**2.50x**" in text and "| iteration |" in text
+    assert "Some CPU, 2 cores" in text and "iteration / request = **2.50x**" in text and "| iteration |" in text
 
 
 def _point_for_readme() -> dict:

@@ -324,6 +324,42 @@ async def test_cancel_a_running_and_a_waiting_request(redis_client, settings):
         assert worker.errors == []
 
 
+@pytest.mark.parametrize("request_results", ["batch", "stream"])
+async def test_request_level_batch_results_come_when_the_whole_batch_is_done(redis_client, settings, request_results):
+    """Orca's request-level baseline returns a batch's results at once; "stream" returns each as sampled."""
+    settings = settings.model_copy(update={"policy": "request", "request_results": request_results})
+    prompts = {"cmpl-short": (1, 2, 3), "cmpl-long": (4, 5, 6), "cmpl-cancelled": (7, 8), "cmpl-next": (9,)}
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.01) as worker:
+        for request_id, max_tokens in [("cmpl-short", 2), ("cmpl-long", 40), ("cmpl-cancelled", 1000)]:
+            await submit(redis_client, request_id, prompts[request_id], seed=5, max_tokens=max_tokens)
+        async with running_scheduler(settings):  # all three are waiting: they form one batch
+            def long_done_plus(later_plans: int) -> bool:
+                last = [index for index, plan in enumerate(list(worker.plans))
+                        if any(item.request_id == "cmpl-long" and item.output_index == 39 for item in plan.items)]
+                return bool(last) and len(worker.plans) > last[0] + later_plans
+
+            async def long_done_and_taken_back() -> bool:  # 2 plans later its result was applied
+                return long_done_plus(settings.pipeline_depth + 1)
+
+            await wait_until(long_done_and_taken_back, what="the long request's last step and two more plans")
+            visible = [await redis_client.xlen(keys.token_stream(request_id)) for request_id in ("cmpl-short", "cmpl-long")]
+            if request_results == "batch":
+                assert visible == [0, 0], "results of a batch still running (cmpl-cancelled) were written"
+            else:
+                assert visible == [2, 40]
+            await submit(redis_client, "cmpl-next", prompts["cmpl-next"], seed=6, max_tokens=3)
+            await redis_client.xadd(keys.CANCEL_STREAM, {"id": "cmpl-cancelled"})
+            cancelled = await wait_finished(redis_client, "cmpl-cancelled")
+            assert cancelled[-1].finish_reason == "cancelled" and len(cancelled) > 40
+            assert [event.index for event in cancelled] == list(range(len(cancelled))), "held tokens, then the cancel"
+            check_stream("cmpl-short", await wait_finished(redis_client, "cmpl-short"), 5, 3, 2, "length")
+            check_stream("cmpl-long", await wait_finished(redis_client, "cmpl-long"), 5, 3, 40, "length")
+            check_stream("cmpl-next", await wait_finished(redis_client, "cmpl-next"), 6, 1, 3, "length")
+        first_batch = {"cmpl-short", "cmpl-long", "cmpl-cancelled"}
+        assert {new.request_id for new in worker.plans[0].new_requests} == first_batch
+        assert worker.errors == []
+
+
 async def _has_events(redis_client, request_id: str, count: int) -> bool:
     return await redis_client.xlen(keys.token_stream(request_id)) >= count
 

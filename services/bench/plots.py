@@ -22,8 +22,9 @@ def _pyplot():
     return pyplot
 
 
-COLORS = {"iteration": "#1f77b4", "request": "#d62728"}
-LABELS = {"iteration": "iteration-level (Orca)", "request": "request-level (baseline)"}
+COLORS = {"iteration": "#1f77b4", "request": "#d62728", "request-stream": "#ff7f0e"}
+LABELS = {"iteration": "iteration-level (Orca)", "request": "request-level (Orca's baseline: results at batch end)",
+          "request-stream": "request-level, streaming each token"}
 
 
 def latency_vs_throughput(curves: dict[str, list[dict]], path: Path, title: str) -> None:

@@ -7,7 +7,8 @@ room (max_batch_size requests, max_batch_tokens tokens, and KV blocks), taken ro
 client keys (FCFS within a key) so one key's flood cannot starve another. `on_result` takes the
 worker's sampled tokens back and decides which requests finished, so a waiting request joins
 at the very next iteration. The "request" policy is the FasterTransformer-style baseline: a
-worker forms a batch only when it runs nothing, and nothing joins until the whole batch is done.
+worker forms a batch only when it runs nothing, and nothing joins until the whole batch is done
+(the service can also hold the batch's results until then: `--request-results batch`).
 
 Pipelining (Orca section 3.1.3, vLLM's async scheduling): up to `pipeline_depth` plans are in
 flight per worker, so the next iteration is planned and sent while the one before runs and the

@@ -8,6 +8,10 @@ worker runs at its own cadence: its next plan leaves as soon as its result is re
 
 Output token i of a request is stream entry id 0-(i+1) of its token stream: a write repeated
 after a lost reply, or by a restarted scheduler, is refused by Redis instead of duplicated.
+
+With `--policy request --request-results batch` (Orca's request-level baseline) a request's
+token events and end are held here while its batch runs and written when the worker's whole
+batch is done; a scheduler restart loses only held writes, which the rebuilt requests redo.
 """
 
 import asyncio
@@ -19,7 +23,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisError, ResponseError
@@ -53,6 +57,14 @@ PLAN_STREAM_MAXLEN = 1000
 ITERATIONS_STREAM_MAXLEN = 100_000
 STARTUP_CANCELS = 1000  # recent cancels re-read at start: some may target requests still active
 REMEMBERED_IDS = 100_000  # recently finished ids (dedupe), and cancels of requests not yet seen
+
+
+@dataclass(eq=False)
+class HeldResults:
+    """A request's token events and end, not yet written: its request-level batch still runs."""
+
+    worker_id: str
+    writes: list[tuple[str, tuple, dict]] = field(default_factory=list)
 
 
 async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
@@ -133,6 +145,8 @@ class SchedulerService:
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
         self._published_counts: tuple[int, int] | None = None
+        self._holds_results = settings.policy == "request" and settings.request_results == "batch"
+        self._held: dict[str, HeldResults] = {}  # request id -> its writes held until its batch ends
 
     # Running
 
@@ -350,6 +364,7 @@ class SchedulerService:
 
     def _dispatch(self) -> None:
         """Send every plan the workers can take now: with pipelining, up to pipeline_depth each."""
+        self._release_finished_batches()
         for _ in range(self.policy.pipeline_depth):
             if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):
                 break
@@ -397,6 +412,7 @@ class SchedulerService:
             self._apply_result(result)
 
     def _cancel(self, request_id: str) -> None:
+        self._release_held(request_id)
         state = self.policy.cancel(request_id)
         if state is None:
             if request_id not in self._recently_finished:
@@ -410,6 +426,8 @@ class SchedulerService:
 
     def _apply_result(self, result: PlanResult) -> None:
         for outcome in self.policy.on_result(result):
+            if self._holds_results:
+                self._hold(outcome.request_id, result.worker_id)
             self._publish_token(outcome)
         self._publish_finished_without_token()
         records = self.policy.take_iteration_records()
@@ -479,19 +497,47 @@ class SchedulerService:
         self._write_end(request_id, reason, completion_tokens)
 
     def _xadd_event(self, request_id: str, event: TokenEvent) -> None:
-        self._queue("xadd", keys.token_stream(request_id), {"m": encode(event)}, id=token_entry_id(event.index))
+        self._write(request_id, "xadd", keys.token_stream(request_id), {"m": encode(event)},
+                    id=token_entry_id(event.index))
 
     def _write_end(self, request_id: str, reason: FinishReason, completion_tokens: int) -> None:
         ttl = self.settings.request_ttl_seconds
-        self._queue("hset", keys.request_key(request_id),
+        self._write(request_id, "hset", keys.request_key(request_id),
                     mapping={"status": status_for(reason), "finish_reason": reason})
-        self._queue("srem", keys.ACTIVE_REQUESTS_SET, request_id)
-        self._queue("expire", keys.request_key(request_id), ttl)
-        self._queue("expire", keys.token_stream(request_id), ttl)
+        self._write(request_id, "srem", keys.ACTIVE_REQUESTS_SET, request_id)
+        self._write(request_id, "expire", keys.request_key(request_id), ttl)
+        self._write(request_id, "expire", keys.token_stream(request_id), ttl)
         self._outputs.pop(request_id, None)
         self._marked_running.discard(request_id)
         self._recently_finished.add(request_id)
         log.info("finished request_id=%s reason=%s completion_tokens=%d", request_id, reason, completion_tokens)
+
+    # Request-level batches' results, held until the batch is done
+
+    def _hold(self, request_id: str, worker_id: str) -> None:
+        """Hold the request's writes until the batch it runs in on this worker is done."""
+        held = self._held.setdefault(request_id, HeldResults(worker_id))
+        held.worker_id = worker_id  # moved (rebuilt elsewhere): its earlier writes wait with it
+
+    def _write(self, request_id: str, command: str, *args: Any, **kwargs: Any) -> None:
+        held = self._held.get(request_id)
+        if held is None:
+            self._queue(command, *args, **kwargs)
+        else:
+            held.writes.append((command, args, kwargs))
+
+    def _release_held(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._writes.extend(held.writes)
+
+    def _release_finished_batches(self) -> None:
+        """A worker whose batch is done (nothing running: all finished, or it went down) returns the
+        results of every request held for it, in the order they were produced."""
+        for request_id, held in list(self._held.items()):
+            worker = self.policy.worker(held.worker_id)
+            if worker is None or not worker.running:
+                self._release_held(request_id)
 
     def _counts(self) -> tuple[int, int]:
         return self.policy.waiting_count, self.policy.running_count
