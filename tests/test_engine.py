@@ -135,6 +135,18 @@ def test_mixed_prefill_and_decode_step_equals_solo_runs_real_model(real_engine, 
     mixed_step_matches_solo_runs(real_engine, prompts)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 65, 300])
+def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_threshold(rows):
+    from services.worker.model import SKINNY_ROWS, linear
+
+    assert SKINNY_ROWS == 64
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 96, generator=generator), torch.randn(160, 96, generator=generator)
+    result = linear(x, weight)
+    assert result.shape == (rows, 160) and result.is_contiguous()
+    torch.testing.assert_close(result, x.double().matmul(weight.double().T).float(), atol=1e-4, rtol=1e-4)
+
+
 def test_both_attention_paths_give_the_same_logits():
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(length)] for length in (17, 1, 6)]
