@@ -363,7 +363,8 @@ class SchedulerService:
                 self.policy.reset_worker(worker_id)
 
     def _dispatch(self) -> None:
-        """Send every plan the workers can take now: with pipelining, up to pipeline_depth each."""
+        """Write the results of request-level batches that are done, then send every plan the
+        workers can take now: with pipelining, up to pipeline_depth each."""
         self._release_finished_batches()
         for _ in range(self.policy.pipeline_depth):
             if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):

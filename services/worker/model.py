@@ -28,8 +28,9 @@ class LayerWeights:
 
 # On CPU, a projection of at most this many rows (decode steps, small prefill chunks) runs as
 # (W @ x.T).T: BLAS then streams the weight once for all rows, where x @ W.T runs one pass per row
-# for 2-3 rows and a slow small-M GEMM above (memory-bound; measured 1.5-2.5x faster for 2-64 rows
-# on 2 cores, no slower for 1). Long prefill chunks keep x @ W.T, faster there.
+# for 2-3 rows and a slow small-M GEMM above (memory-bound; on 2 cores the projections alone ran
+# 1.3-2.5x faster for 2-64 rows and decode steps of 2-48 requests 1.2-1.8x, 1 row unchanged).
+# Long prefill chunks keep x @ W.T, faster there.
 SKINNY_ROWS = 64
 
 
