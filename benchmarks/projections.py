@@ -1,0 +1,76 @@
+"""Decode step time with the skinny projections (services/worker/model.py `linear`) on and off,
+alternating in one process so a slow spell of the machine hits both alike.
+
+    .venv/bin/python benchmarks/projections.py [--batch-sizes 1 2 4 16 64] [--rounds 3] [--context 300]
+
+Prints one line per batch size: the best step time of each variant and their ratio.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import services.worker.model as model  # noqa: E402
+from services.worker.engine import Engine  # noqa: E402
+from shared.config import Settings  # noqa: E402
+from shared.messages import SamplingParams, StepItem  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+VARIANTS = {"x @ W.T": 0, "(W @ x.T).T up to 64 rows": model.SKINNY_ROWS}
+
+
+def item(request_id: str, tokens: list[int], start: int, index: int) -> StepItem:
+    return StepItem(request_id=request_id, token_ids=tuple(tokens), start_position=start, sample=True,
+                    output_index=index)
+
+
+def decode_step_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
+    """Median decode step of `batch` requests whose KV holds `context` tokens (prefill excluded)."""
+    engine.reset()
+    last = {}
+    for index in range(batch):
+        request_id = str(index)
+        engine.add_request(request_id, GREEDY)
+        prompt = [100 + (index + position) % 40000 for position in range(context)]
+        last[request_id] = engine.step([item(request_id, prompt, 0, 0)]).tokens[request_id]
+    times = []
+    for step in range(1, steps + 1):
+        started = time.perf_counter()
+        last = engine.step([item(rid, [token], context + step - 1, step) for rid, token in last.items()]).tokens
+        times.append(time.perf_counter() - started)
+    engine.reset()
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64])
+    parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes per batch size (best kept)")
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    blocks_per_request = (args.context + args.steps) // 16 + 2
+    engine = Engine.from_settings(Settings(kv_blocks=max(args.batch_sizes) * blocks_per_request))
+    try:
+        for batch in args.batch_sizes:
+            best = {name: float("inf") for name in VARIANTS}
+            for _ in range(args.rounds):
+                for name, rows in VARIANTS.items():
+                    model.SKINNY_ROWS = rows
+                    best[name] = min(best[name], decode_step_seconds(engine, batch, args.context, args.steps))
+            old, new = (1000 * best[name] for name in VARIANTS)
+            print(f"batch {batch}: x @ W.T {old:.1f} ms, skinny {new:.1f} ms, {old / new:.2f}x", flush=True)
+    finally:
+        model.SKINNY_ROWS = VARIANTS["(W @ x.T).T up to 64 rows"]
+
+
+if __name__ == "__main__":
+    main()
