@@ -59,13 +59,14 @@ def engine_prefill_seconds(engine: Engine, prompt: list[int], repeats: int = 5) 
 def engine_decode_seconds(engine: Engine, prompts: list[list[int]], steps: int) -> float:
     """Seconds for `steps` decode iterations of all requests (prefill excluded)."""
     engine.reset()
-    last = {}
+    last, context = {}, {}
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), GREEDY)
         last[str(index)] = engine.step([item(str(index), prompt, 0)]).tokens[str(index)]
+        context[str(index)] = len(prompt)
     started = time.perf_counter()
     for step in range(1, steps + 1):
-        outcome = engine.step([item(rid, (last[rid],), PROMPT_TOKENS + step - 1, index=step) for rid in last])
+        outcome = engine.step([item(rid, (last[rid],), context[rid] + step - 1, index=step) for rid in last])
         last = outcome.tokens
     elapsed = time.perf_counter() - started
     engine.reset()

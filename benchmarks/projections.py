@@ -3,13 +3,11 @@ alternating in one process so a slow spell of the machine hits both alike.
 
     .venv/bin/python benchmarks/projections.py [--batch-sizes 1 2 4 16 64] [--rounds 3] [--context 300]
 
-Prints one line per batch size: the best step time of each variant and their ratio.
+Prints one line per batch size: the best mean step time of each variant and their ratio.
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,35 +15,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import services.worker.model as model  # noqa: E402
+from benchmarks.engine import engine_decode_seconds  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 from shared.config import Settings  # noqa: E402
-from shared.messages import SamplingParams, StepItem  # noqa: E402
 
-GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
 VARIANTS = {"x @ W.T": 0, "(W @ x.T).T up to 64 rows": model.SKINNY_ROWS}
 
 
-def item(request_id: str, tokens: list[int], start: int, index: int) -> StepItem:
-    return StepItem(request_id=request_id, token_ids=tuple(tokens), start_position=start, sample=True,
-                    output_index=index)
-
-
 def decode_step_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
-    """Median decode step of `batch` requests whose KV holds `context` tokens (prefill excluded)."""
-    engine.reset()
-    last = {}
-    for index in range(batch):
-        request_id = str(index)
-        engine.add_request(request_id, GREEDY)
-        prompt = [100 + (index + position) % 40000 for position in range(context)]
-        last[request_id] = engine.step([item(request_id, prompt, 0, 0)]).tokens[request_id]
-    times = []
-    for step in range(1, steps + 1):
-        started = time.perf_counter()
-        last = engine.step([item(rid, [token], context + step - 1, step) for rid, token in last.items()]).tokens
-        times.append(time.perf_counter() - started)
-    engine.reset()
-    return statistics.median(times[2:])
+    """Mean decode step of `batch` requests whose KV holds `context` tokens (prefill excluded)."""
+    prompts = [[100 + (index + position) % 40000 for position in range(context)] for index in range(batch)]
+    return engine_decode_seconds(engine, prompts, steps) / steps
 
 
 def main() -> None:

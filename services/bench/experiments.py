@@ -46,11 +46,11 @@ README = REPO / "README.md"
 README_START, README_END = "<!-- bench:headline:start -->", "<!-- bench:headline:end -->"
 REPLAY_TIMEOUT_SECONDS = 1200
 SATURATED = 0.8  # a run that served less than this share of its offered rate was saturated
-# Experiment 1's systems: curve name -> `iterserve up` options. "request" is Orca's baseline.
+# Experiment 1's systems: curve name -> (policy, more `iterserve up` options). "request" is Orca's baseline.
 ORCA_SYSTEMS = {
-    "iteration": ("--policy", "iteration"),
-    "request": ("--policy", "request", "--request-results", "batch"),
-    "request-stream": ("--policy", "request", "--request-results", "stream"),
+    "iteration": ("iteration", ()),
+    "request": ("request", ("--request-results", "batch")),
+    "request-stream": ("request", ("--request-results", "stream")),
 }
 BASELINES = ("request", "request-stream")
 
@@ -138,13 +138,13 @@ class Experiments:
     def system(self, name: str, workers: int) -> Iterator[ServerProcess]:
         """A running, warmed-up `iterserve up` with ORCA_SYSTEMS[name]'s options; stopped and reaped
         on the way out, whatever happens."""
-        options = ORCA_SYSTEMS[name]
-        log(f"starting iterserve up {' '.join(options)} --workers {workers}")
-        with ServerProcess(policy=options[1], workers=workers, kv_blocks=self.sizes.kv_blocks,
-                           extra_args=options[2:]) as server:
+        policy, options = ORCA_SYSTEMS[name]
+        described = " ".join(("--policy", policy, *options, "--workers", str(workers)))
+        log(f"starting iterserve up {described}")
+        with ServerProcess(policy=policy, workers=workers, kv_blocks=self.sizes.kv_blocks, extra_args=options) as server:
             self._warm_up(server, workers)
             yield server
-        log(f"stopped iterserve up {' '.join(options)} --workers {workers}")
+        log(f"stopped iterserve up {described}")
 
     def _warm_up(self, server: ServerProcess, workers: int) -> None:
         # Every worker's first steps (allocation, kernel choice) happen here, uncounted: short requests
