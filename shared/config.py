@@ -62,6 +62,9 @@ class Settings(BaseModel):
     # Gateway
     max_body_bytes: int = Field(1 << 20, ge=1024)
     request_ttl_seconds: int = Field(3600, ge=1)  # how long a finished request stays readable
+    # Scheduler: the last this many IterationRecords stay in Redis (observability, tests, the
+    # benchmarks' timelines); about 2.7 KB each at batch 64. 0 writes none.
+    iteration_records: int = Field(1000, ge=0)
     # Access (services/gateway/admission.py): with no key configured the API is open to anyone
     # who can reach host:port (the default host is 127.0.0.1 for that reason).
     api_keys: str = ""  # comma-separated keys; `Authorization: Bearer <key>` on every /v1/* request

@@ -18,7 +18,8 @@ CANCEL_STREAM = f"{PREFIX}:requests:cancel"
 ACTIVE_REQUESTS_SET = f"{PREFIX}:requests:active"
 # Stream of plan results (workers -> scheduler).
 RESULTS_STREAM = f"{PREFIX}:results"
-# Stream of the scheduler's per-iteration records (capped), for tests and observability.
+# Stream of the scheduler's per-iteration records (the last Settings.iteration_records), for tests
+# and observability.
 ITERATIONS_STREAM = f"{PREFIX}:iterations"
 # Set of worker ids that have registered; each one's liveness is its heartbeat key.
 WORKERS_SET = f"{PREFIX}:workers"
@@ -27,8 +28,14 @@ SCHEDULER_HEARTBEAT = f"{PREFIX}:scheduler:heartbeat"
 
 
 def request_key(request_id: str) -> str:
-    """Hash holding one request: its RequestRecord and its status."""
+    """Hash holding one request: its RequestRecord and its status (and CANCEL_FLAG once cancelled)."""
     return f"{PREFIX}:request:{request_id}"
+
+
+# Field of request_key(id) set by the gateway with the cancel: a scheduler that loads the request
+# later (it had not read its new-request entry yet, or it restarted) sees the cancel there, so
+# the cancel stream itself can be trimmed as soon as it is read.
+CANCEL_FLAG = "cancel"
 
 
 def token_stream(request_id: str) -> str:

@@ -89,6 +89,9 @@ class BatchPlan(Frozen):
     items: tuple[StepItem, ...] = ()
     # Requests that finished, were cancelled or were preempted: free their KV before the step.
     free_request_ids: tuple[str, ...] = ()
+    # The worker's first plan since it (re)joined: drop every request's KV first. A worker that was
+    # given up on (heartbeats lost in a Redis outage) and comes back may still hold some.
+    free_all: bool = False
 
 
 class SampledToken(Frozen):
@@ -99,7 +102,9 @@ class SampledToken(Frozen):
 
 class ItemError(Frozen):
     request_id: str
-    code: Literal["kv_cache_full", "unknown_request", "bad_item"]
+    # kv_cache_full and out_of_memory are no fault of the request: it waits and is rebuilt. The
+    # others count towards failing it (a rebuild fixes most).
+    code: Literal["kv_cache_full", "out_of_memory", "unknown_request", "bad_item"]
     message: str
 
 

@@ -103,12 +103,13 @@ class Cluster:
 
     # Services
 
-    def start(self, kind: str, name: str | None = None, **env: str) -> Service:
+    def start(self, kind: str, name: str | None = None, module: str = "services.cli", **env: str) -> Service:
+        """module: what `python -m` runs (tests.faulty_worker injects an engine fault)."""
         name = name or kind
         log_path = self.directory / f"{name}-{len(self.history)}.log"
         log_file = open(log_path, "wb")
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", kind], cwd=REPO, env=self.env | env, stdout=log_file,
+            [sys.executable, "-m", module, kind], cwd=REPO, env=self.env | env, stdout=log_file,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )
         service = Service(name, kind, process, log_path, log_file, worker_id=env.get("ITERSERVE_WORKER_ID", ""))
@@ -116,10 +117,10 @@ class Cluster:
         self.history.append(service)
         return service
 
-    def start_worker(self, **env: str) -> Service:
+    def start_worker(self, module: str = "services.cli", **env: str) -> Service:
         self._workers_started += 1
         name = f"worker-{self._workers_started}"
-        return self.start("worker", name, ITERSERVE_WORKER_ID=f"chaos-w{self._workers_started}", **env)
+        return self.start("worker", name, module, ITERSERVE_WORKER_ID=f"chaos-w{self._workers_started}", **env)
 
     def kill(self, name: str, signal_number: int = signal.SIGKILL) -> float:
         """Send a signal to a service's process group; SIGKILL also reaps it. Returns when it was sent."""

@@ -1,7 +1,14 @@
-"""Drive an Engine the way the scheduler does: prefill, then one decode step per token."""
+"""Drive an Engine the way the scheduler does: prefill, then one decode step per token; and a
+tiny seeded random model for fast engine tests."""
 
+import torch
+
+from services.worker.attention import AttentionMode
 from services.worker.engine import Engine
+from services.worker.model import Llama
+from shared.config import Settings
 from shared.messages import SamplingParams, StepItem
+from shared.model_file import ModelConfig
 
 GREEDY = SamplingParams(max_tokens=64)
 
@@ -26,3 +33,46 @@ def generate_alone(engine: Engine, request_id: str, prompt: list[int], count: in
         output.append(engine.step([item]).tokens[request_id])
     engine.free(request_id)
     return output
+
+
+TINY_CONFIG = ModelConfig(
+    n_layers=2, hidden_size=64, ffn_size=128, n_heads=4, n_kv_heads=2, head_dim=16,
+    rope_theta=10000.0, rms_norm_eps=1e-5, vocab_size=256, context_length=512,
+)
+
+
+def tiny_random_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights in the GGUF's names: a fast model for unit tests."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.2
+
+    q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    weights = {
+        "token_embd.weight": randn(config.vocab_size, config.hidden_size),
+        "output_norm.weight": 1 + randn(config.hidden_size) * 0.1,
+    }
+    for i in range(config.n_layers):
+        weights |= {
+            f"blk.{i}.attn_norm.weight": 1 + randn(config.hidden_size) * 0.1,
+            f"blk.{i}.attn_q.weight": randn(q_rows, config.hidden_size),
+            f"blk.{i}.attn_k.weight": randn(kv_rows, config.hidden_size),
+            f"blk.{i}.attn_v.weight": randn(kv_rows, config.hidden_size),
+            f"blk.{i}.attn_output.weight": randn(config.hidden_size, q_rows),
+            f"blk.{i}.ffn_norm.weight": 1 + randn(config.hidden_size) * 0.1,
+            f"blk.{i}.ffn_gate.weight": randn(config.ffn_size, config.hidden_size),
+            f"blk.{i}.ffn_up.weight": randn(config.ffn_size, config.hidden_size),
+            f"blk.{i}.ffn_down.weight": randn(config.hidden_size, config.ffn_size),
+        }
+    return weights
+
+
+def tiny_engine(kv_blocks: int = 64, kv_block_size: int = 4, attention: AttentionMode = "batched", seed: int = 0,
+                config: ModelConfig = TINY_CONFIG, decode_workspace_tokens: int = 65536) -> Engine:
+    """An engine over a seeded random tiny model, on the CPU in float32."""
+    device = torch.device("cpu")
+    model = Llama(config, tiny_random_weights(config, seed), device, torch.float32)
+    settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size)
+    return Engine(model, Engine.kv_cache_for(config, settings, device, torch.float32), attention,
+                  decode_workspace_tokens)

@@ -9,10 +9,12 @@ import logging
 import socket
 
 import pytest
+from aiohttp import web
 
 from services.gateway.admission import key_id
 from services.gateway.app import create_app, warn_if_open
 from services.gateway.state import STATE
+from services.gateway.store import READ_COUNT
 from shared import keys
 from shared.messages import RequestRecord, TokenEvent
 from shared.wire import decode, encode
@@ -288,22 +290,37 @@ async def test_within_the_limits_a_request_runs_and_defaults_to_the_max_tokens_l
 
 
 async def test_a_reader_that_stops_reading_stalls_only_its_own_stream(
-    redis_url, redis_client, tokenizer, held  # noqa: F811
+    redis_url, redis_client, tokenizer, held, monkeypatch  # noqa: F811
 ):
-    """The gateway writes a stream only as fast as its client reads: it holds at most one XREAD batch
-    of a stalled stream (the kernel's socket buffers hold the rest) and other requests go on."""
+    """The gateway writes a stream only as fast as its client reads: once the client's socket is
+    full, a write waits, nothing more is read from Redis, and what the gateway holds is at most
+    the one XREAD batch it was writing out (READ_COUNT entries); other requests go on."""
     events, piece = 3000, "x" * 4000  # 12 MB of output: far more than the socket buffers take
     async with serve_gateway(gateway_settings(redis_url), tokenizer) as client:
         store = client.server.app[STATE].store
-        yielded: dict[str, int] = {}  # request id -> events the gateway took from Redis
-        follow = store.follow_tokens
+        fetched: dict[str, int] = {}  # token stream -> entries the gateway read from Redis
+        writes = {"started": 0, "done": 0}  # the stalled stream's writes to its socket
+        xread = store.redis.xread
 
-        async def counting_follow(request_id, *args, **kwargs):
-            async for event in follow(request_id, *args, **kwargs):
-                yielded[request_id] = yielded.get(request_id, 0) + (event is not None)
-                yield event
+        async def counting_xread(streams, *args, **kwargs):
+            reply = await xread(streams, *args, **kwargs)
+            for name, entries in reply or ():
+                fetched[name.decode()] = fetched.get(name.decode(), 0) + len(entries)
+            return reply
 
-        store.follow_tokens = counting_follow
+        store.redis.xread = counting_xread
+        write = web.StreamResponse.write
+
+        async def counting_write(response, data):
+            if b"xxxx" not in data:
+                return await write(response, data)
+            writes["started"] += 1
+            try:
+                return await write(response, data)
+            finally:
+                writes["done"] += 1
+
+        monkeypatch.setattr(web.StreamResponse, "write", counting_write)
         reader, writer = await slow_client(client.server.port)
         body = json.dumps({**GOOD_COMPLETION, "max_tokens": events, "stream": True}).encode()
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -319,12 +336,15 @@ async def test_a_reader_that_stops_reading_stalls_only_its_own_stream(
                 index=index, token_id=100, text=piece, finish_reason="length" if last else None,
                 prompt_tokens=1 if last else 0, completion_tokens=events if last else 0))})
         await pipe.execute()
-        await asyncio.sleep(1.5)
-        stalled_at = yielded[request_id]
-        await asyncio.sleep(1.0)
-        assert yielded[request_id] == stalled_at < events, f"took {yielded[request_id]} of {events} events"
-        print(f"figures: a stalled reader: the gateway took {stalled_at} of {events} events "
-              f"({stalled_at * len(piece) / 1e6:.1f} MB) from Redis, then waited")
+        # Stalled: a write waits for the client to read (the socket is full), so the follower
+        # reads no more from Redis until it returns.
+        await wait_until(lambda: _true(writes["started"] > writes["done"] > 0), "a write waiting on the client")
+        stalled_fetched, written = fetched[keys.token_stream(request_id)], writes["done"]
+        assert stalled_fetched < events, "the gateway read the whole stream for a client that reads nothing"
+        assert stalled_fetched - written <= READ_COUNT, (
+            f"the gateway holds {stalled_fetched - written} events for a stalled client, more than one batch")
+        print(f"figures: a stalled reader: the gateway read {stalled_fetched} of {events} events from Redis, "
+              f"wrote {written} ({written * len(piece) / 1e6:.1f} MB, now in the socket buffers), held the rest")
 
         held.cancelled.add(request_id)  # the fake scheduler leaves this one to the test
         held.release()  # another request is not held up by the stalled one
@@ -336,7 +356,7 @@ async def test_a_reader_that_stops_reading_stalls_only_its_own_stream(
             while b"data: [DONE]" not in received[-100:] and (chunk := await reader.read(1 << 16)):
                 received += chunk
         writer.close()
-        assert received.count(b'"finish_reason": null') == events - 1 and yielded[request_id] == events
+        assert received.count(b'"finish_reason": null') == events - 1
 
 
 async def slow_client(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -272,6 +273,26 @@ def check_nothing_left(cluster: Cluster) -> None:
     assert not active, f"requests still active: {sorted(active)[:5]}"
 
 
+def check_recovered_by_liveness_not_by_the_stall_fallback(cluster: Cluster, outputs: dict[str, Output]) -> None:
+    """A fault is noticed by the liveness checks (heartbeat keys, epochs), not by the last resort
+    of abandoning a plan after stall_seconds: no plan stalled, and no stream waited that long.
+    (A bound by mechanism, not by a wall-clock figure that a loaded 2-core machine could miss.)"""
+    assert not cluster.log_events("scheduler", "plan_stalled"), "a plan was only given up after stall_seconds"
+    gap = longest_gap(outputs)
+    assert gap < Settings().stall_seconds, f"a stream waited {gap:.1f} s: as long as the stall fallback"
+
+
+def check_no_dead_worker_left(cluster: Cluster, worker_id: str) -> None:
+    """A dead or departed worker leaves no key, stream or set membership behind."""
+    client = cluster.redis_client()
+    try:
+        assert not client.sismember(keys.WORKERS_SET, worker_id), f"{worker_id} still registered"
+        assert not client.exists(keys.plan_stream(worker_id)), f"{worker_id}'s plan stream is left"
+        assert not client.exists(keys.worker_heartbeat(worker_id)), f"{worker_id}'s heartbeat key is left"
+    finally:
+        client.close()
+
+
 def iteration_records(cluster: Cluster) -> list[IterationRecord]:
     client = cluster.redis_client()
     try:
@@ -385,13 +406,16 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
     async with session() as http:
         client = asyncio.create_task(stream_request(http, cluster, spec, output))
         await until(lambda: len(output.pieces) >= 5, "the long request's first tokens")
-        held = status_workers(cluster)
-        assert any(worker["kv_blocks_free"] < worker["kv_blocks_total"] for worker in held), f"no KV held: {held}"
+        # /status shows each worker's last heartbeat (every 0.5 s): wait for one taken while it runs.
+        await until(lambda: any(worker["kv_blocks_free"] < worker["kv_blocks_total"]
+                                for worker in status_workers(cluster)), "a heartbeat showing its KV held", 10)
+        cancel_sent_unix = time.time()
         async with http.delete(f"{cluster.base_url}/v1/requests/{output.request_id}") as response:
             cancel_sent_at = time.monotonic()
             assert response.status == 200 and (await response.json())["cancelled"] is True
         await asyncio.wait_for(client, 30)
-        await until_kv_all_free(cluster)
+        await until_kv_all_free(cluster, timeout=30)  # a hang guard: the bound is in iterations, below
+        freed_at_unix = time.time()
         freed_after = time.monotonic() - cancel_sent_at  # includes up to one heartbeat (0.5 s)
         async with http.delete(f"{cluster.base_url}/v1/requests/{output.request_id}") as again:
             assert again.status == 200
@@ -400,7 +424,6 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
         async with http.delete(f"{cluster.base_url}/v1/requests/cmpl-{'0' * 32}") as unknown:
             assert unknown.status == 404 and "error" in await unknown.json()
     assert output.finish_reason == "cancelled"
-    assert freed_after < 3.0, f"KV freed {freed_after:.2f} s after the cancel"
     metrics = cluster.get_text("/metrics")
     for worker in status_workers(cluster):
         assert f'iterserve_worker_kv_blocks_free{{worker_id="{worker["id"]}"}} {worker["kv_blocks_total"]}.0' \
@@ -414,6 +437,12 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
     in_flight_at_most = Settings().pipeline_depth
     assert final.completion_tokens <= len(with_it) <= final.completion_tokens + in_flight_at_most, (
         f"{len(with_it)} iterations for {final.completion_tokens} tokens: it ran on after the cancel")
+    # Its KV is free once the plans in flight at the cancel and the one plan that frees it have run.
+    worker_id = with_it[-1].worker_id
+    after_cancel = [record for record in iteration_records(cluster) if record.worker_id == worker_id
+                    and cancel_sent_unix <= record.started_at and record.finished_at <= freed_at_unix]
+    assert len(after_cancel) <= in_flight_at_most + 1, (
+        f"{len(after_cancel)} iterations ran on its worker before its KV was free")
     client = cluster.redis_client()
     try:
         state = client.hmget(keys.request_key(output.request_id), ["status", "finish_reason"])
@@ -422,27 +451,26 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
         client.close()
     assert state == [b"cancelled", b"cancelled"] and all(ttl > 0 for ttl in ttls), (state, ttls)
     report("cancel_delete", kv_free_in_status_seconds_after_delete=round(freed_after, 2),
-           iterations_with_it=len(with_it), tokens_before_cancel=final.completion_tokens)
+           iterations_with_it=len(with_it), tokens_before_cancel=final.completion_tokens,
+           iterations_until_kv_free=len(after_cancel))
 
 
-async def storm(cluster: Cluster) -> dict[str, tuple[StormRequest, Output, bool | None]]:
+@dataclass
+class StormResult:
+    request: StormRequest
+    output: Output
+    delete_answer: bool | None = None  # DELETE's `cancelled`: False when the request had ended before
+    cancel_sent: bool = False  # the DELETE was sent, or the client closed its connection, before the end
+
+
+async def storm(cluster: Cluster) -> dict[str, StormResult]:
     """Every STORM request as its own client; the chosen half cancelled, by DELETE or disconnect."""
-    results: dict[str, tuple[StormRequest, Output, bool | None]] = {}
-    by_seed: dict[int, str] = {}
-    read_up_to = ["0-0"]
+    results: dict[str, StormResult] = {}
+    by_seed: dict[int, str] = {}  # seed -> request id (each storm request has its own seed)
     client = cluster.redis_client()
 
     def index_new_requests() -> None:
-        entries = client.xrange(keys.NEW_REQUESTS_STREAM, min=f"({read_up_to[0]}")
-        if not entries:
-            return
-        read_up_to[0] = entries[-1][0].decode()
-        request_ids = [fields[b"id"].decode() for _, fields in entries]
-        pipe = client.pipeline(transaction=False)
-        for request_id in request_ids:
-            pipe.hget(keys.request_key(request_id), "record")
-        for request_id, raw in zip(request_ids, pipe.execute(), strict=True):
-            by_seed[decode(RequestRecord, raw).sampling.seed] = request_id
+        by_seed.update(requests_by_seed(client))
 
     async def request_id_of(output: Output, spec: Spec) -> str | None:
         """A streaming client has it from the headers; a waiting one finds it in Redis by its seed
@@ -456,13 +484,14 @@ async def storm(cluster: Cluster) -> dict[str, tuple[StormRequest, Output, bool 
     async def one(http: aiohttp.ClientSession, request: StormRequest) -> None:
         await asyncio.sleep(request.arrive_after)
         output = Output()
+        result = StormResult(request, output)
         call = stream_request(http, cluster, request.spec, output) if request.stream else \
             whole_request(http, cluster, request.spec, output)
         client_task = asyncio.create_task(call)
-        cancelled = None
         if request.cancel is not None:
             done, _ = await asyncio.wait({client_task}, timeout=request.cancel_after)
             if not done:
+                result.cancel_sent = True
                 if request.cancel == "disconnect":
                     client_task.cancel()  # the connection closes: the gateway cancels the request
                 else:
@@ -470,13 +499,13 @@ async def storm(cluster: Cluster) -> dict[str, tuple[StormRequest, Output, bool 
                     assert request_id is not None, f"{request.spec.name} was never accepted"
                     async with http.delete(f"{cluster.base_url}/v1/requests/{request_id}") as response:
                         assert response.status == 200
-                        cancelled = (await response.json())["cancelled"]
+                        result.delete_answer = (await response.json())["cancelled"]
                         output.request_id = request_id
         try:
             await client_task
         except asyncio.CancelledError:
             output.request_id = await request_id_of(output, request.spec)
-        results[request.spec.name] = (request, output, cancelled)
+        results[request.spec.name] = result
 
     try:
         async with session() as http, asyncio.timeout(FINISH_SECONDS):
@@ -484,6 +513,20 @@ async def storm(cluster: Cluster) -> dict[str, tuple[StormRequest, Output, bool 
     finally:
         client.close()
     return results
+
+
+def requests_by_seed(client) -> dict[int, str]:
+    """Every request in Redis by its seed (the new-request stream is trimmed as soon as the
+    scheduler reads it, so the records themselves are searched)."""
+    found = {}
+    request_keys = list(client.scan_iter(match=keys.request_key("*"), count=1000))
+    pipe = client.pipeline(transaction=False)
+    for key in request_keys:
+        pipe.hget(key, "record")
+    for key, raw in zip(request_keys, pipe.execute(), strict=True):
+        if raw is not None:
+            found[decode(RequestRecord, raw).sampling.seed] = key.decode().removeprefix(keys.request_key(""))
+    return found
 
 
 def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unchanged(baseline):
@@ -503,31 +546,55 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
             return await until_kv_all_free(cluster)
 
         asyncio.run(settled())
-        never_accepted = [name for name, (_, output, _) in results.items() if output.request_id is None]
-        assert all(results[name][0].cancel == "disconnect" for name in never_accepted)
-        results = {name: result for name, result in results.items() if result[1].request_id is not None}
+        client = cluster.redis_client()
+        try:
+            accepted_by_seed = requests_by_seed(client)
+            for result in results.values():
+                if result.output.request_id is None:  # its client may have left before the gateway answered
+                    result.output.request_id = accepted_by_seed.get(result.request.spec.seed)
+            statuses = {name: client.hget(keys.request_key(result.output.request_id), "status")
+                        for name, result in results.items() if result.output.request_id is not None}
+        finally:
+            client.close()
+        never_accepted = [name for name, result in results.items() if result.output.request_id is None]
+        assert all(results[name].request.cancel == "disconnect" and results[name].cancel_sent
+                   for name in never_accepted), "only a client that left early may go unaccepted"
         _, status = cluster.get_json("/status")
         assert status["waiting"] == 0 and status["running"] == 0 and status["active_requests"] == 0, status
         assert len(status["workers"]) == 2 and all(w["kv_blocks_free"] == w["kv_blocks_total"] == 256
                                                    for w in status["workers"]), status["workers"]
-        client = cluster.redis_client()
-        statuses = {name: client.hget(keys.request_key(output.request_id), "status")
-                    for name, (_, output, _) in results.items()}
-        client.close()
         stuck = {name: value for name, value in statuses.items() if value not in (b"finished", b"cancelled")}
         assert not stuck, f"not ended: {stuck}"
-        uncancelled = {name: output for name, (request, output, _) in results.items() if request.cancel is None}
-        check_same_as_baseline(uncancelled, baseline, "after the storm")
-        check_token_streams(cluster, {name: output for name, (_, output, _) in results.items()})
-        for name, (request, output, cancelled) in results.items():
-            if request.cancel == "delete" and cancelled is False:  # it had ended before the DELETE came
+        accepted = {name: result for name, result in results.items() if result.output.request_id is not None}
+        uncancelled = {name: result.output for name, result in accepted.items() if not result.cancel_sent}
+        assert {name for name, result in uncancelled.items() if statuses[name] != b"finished"} == set(), \
+            "a request nobody cancelled did not finish"
+        check_same_as_baseline({name: output for name, output in uncancelled.items()
+                                if results[name].request.cancel is None}, baseline, "after the storm")
+        check_token_streams(cluster, {name: result.output for name, result in accepted.items()})
+        raced = []
+        for name, result in accepted.items():
+            if not result.cancel_sent:
+                continue
+            final = token_events(cluster, result.output.request_id)[-1]
+            if result.delete_answer is False:  # it had ended before the DELETE came
                 assert statuses[name] == b"finished", name
-            if request.cancel == "disconnect" and statuses[name] == b"cancelled":
-                assert token_events(cluster, output.request_id)[-1].finish_reason == "cancelled"
+            elif result.delete_answer is True:
+                assert (statuses[name], final.finish_reason) == (b"cancelled", "cancelled"), name
+            elif statuses[name] == b"finished":  # a disconnect as the last token was written: no loss
+                assert final.finish_reason in ("length", "stop"), name
+                raced.append(name)
+            else:
+                assert final.finish_reason == "cancelled", name
+        sent = sum(result.cancel_sent for result in results.values())
         cancelled_count = sum(value == b"cancelled" for value in statuses.values())
-        assert cancelled_count >= len(STORM) // 4, f"only {cancelled_count} requests were cancelled"
+        ended_first = sum(result.delete_answer is False for result in results.values())
+        assert cancelled_count + ended_first + len(raced) == sent - len(never_accepted), \
+            "a sent cancel is unaccounted for"
+        assert len(raced) <= max(2, sent // 10), f"{len(raced)} disconnected clients' requests finished anyway"
         preempted = len(cluster.log_events("scheduler", "preempted request_id="))
-    report("cancellation_storm", requests=len(STORM), cancelled=cancelled_count, never_accepted=len(never_accepted),
+    report("cancellation_storm", requests=len(STORM), cancels_sent=sent, cancelled=cancelled_count,
+           ended_before_the_delete=ended_first, disconnect_raced_the_end=len(raced), never_accepted=len(never_accepted),
            cancelled_by_delete=sum(r.cancel == "delete" for r in STORM),
            cancelled_by_disconnect=sum(r.cancel == "disconnect" for r in STORM),
            storm_seconds=round(storm_seconds, 1), preempted=preempted,
@@ -543,13 +610,46 @@ def test_kv_pressure_preempts_the_youngest_and_outputs_are_unchanged(baseline):
         preempted = cluster.log_events("scheduler", "reason=kv_full")
         assert preempted, "the pool never ran out: nothing was preempted"
         assert not cluster.log_events("scheduler", "kv_cache_full"), "the worker's pool overflowed"
-        report("kv_pressure", preempted=len(preempted), tokens_recomputed=tokens_recomputed(cluster))
+        check_each_preemption_took_the_youngest(cluster, outputs)
+        recomputed = tokens_recomputed(cluster)
+        assert recomputed > 0, "preempted requests were never rebuilt"
+        report("kv_pressure", preempted=len(preempted), tokens_recomputed=recomputed)
+
+
+def check_each_preemption_took_the_youngest(cluster: Cluster, outputs: dict[str, Output]) -> None:
+    """Replaying the scheduler's log (admitted / preempted / finished, in order): every preempted
+    request was the most recent arrival among the requests running at that moment."""
+    client = cluster.redis_client()
+    try:
+        arrival = {output.request_id: decode(RequestRecord, client.hget(keys.request_key(output.request_id),
+                                                                         "record")).arrival_time
+                   for output in outputs.values()}
+    finally:
+        client.close()
+    running: set[str] = set()
+    line_pattern = re.compile(r"^\S+ \S+ \S+ \S+ (admitted|preempted|finished) request_id=(\S+)")
+    victims = 0
+    for line in cluster.log("scheduler").splitlines():
+        match = line_pattern.match(line)
+        if match is None or match.group(2) not in arrival:
+            continue
+        event, request_id = match.groups()
+        if event == "admitted":
+            running.add(request_id)
+        elif event == "preempted":
+            youngest = max(running, key=lambda other: arrival[other])
+            assert request_id == youngest, f"preempted {request_id}, but {youngest} arrived later"
+            running.discard(request_id)
+            victims += 1
+        else:
+            running.discard(request_id)
+    assert victims > 0, "no preemption found in the log"
 
 
 # Worker faults
 
 
-def test_sigkill_a_worker_mid_run_streams_go_on_without_gap_or_duplicate(baseline):
+def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_duplicate(baseline):
     with Cluster(workers=2) as cluster:
         killed: dict[str, float] = {}
         victim: list[str] = []
@@ -568,7 +668,8 @@ def test_sigkill_a_worker_mid_run_streams_go_on_without_gap_or_duplicate(baselin
         dead = cluster.log_events("scheduler", f"worker_dead worker_id={dead_id}")
         assert dead, "the scheduler never noticed the dead worker"
         detected = dead[0][0] - killed["at"]
-        assert detected < 2.0, f"the dead worker was noticed after {detected:.2f} s"
+        check_recovered_by_liveness_not_by_the_stall_fallback(cluster, outputs)
+        check_no_dead_worker_left(cluster, dead_id)
         moved = [line for when, line in cluster.log_events("scheduler", "admitted request_id=")
                  if when > killed["at"] and f"worker_id={survivor_id}" in line and "output_tokens=0" not in line]
         assert moved, "no request was rebuilt on the surviving worker"
@@ -578,6 +679,34 @@ def test_sigkill_a_worker_mid_run_streams_go_on_without_gap_or_duplicate(baselin
                recovery_seconds=round(resumed - killed["monotonic"], 2),
                longest_stream_gap=round(longest_gap(outputs), 2),
                tokens_recomputed=tokens_recomputed(cluster))
+
+
+def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_token_exact(baseline):
+    """An engine that can no longer compute (tests/faulty_worker.py: the forward pass raises a
+    device-side assert from its 13th call) is not a failed plan but a broken worker: it deregisters
+    and exits non-zero, and its requests are rebuilt on the other worker with the same output."""
+    from services.worker.service import ENGINE_BROKEN_EXIT_CODE
+    from tests.faulty_worker import INJECTED
+
+    with Cluster(workers=1) as cluster:
+        faulty = cluster.start_worker(module="tests.faulty_worker", ITERSERVE_TEST_BREAK_AFTER_STEPS="12")
+        cluster.wait_ready(2)
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, lambda outputs: asyncio.sleep(0)))
+        check_same_as_baseline(outputs, baseline, "after a worker's engine broke")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        code = faulty.process.wait(timeout=30)
+        assert code == ENGINE_BROKEN_EXIT_CODE, f"exit code {code}:\n{cluster.log(faulty.name)[-2000:]}"
+        worker_log = cluster.log(faulty.name)
+        assert "event=engine_broken" in worker_log and INJECTED in worker_log
+        assert "event=plan_failed" not in worker_log
+        ran_there = [line for _, line in cluster.log_events("scheduler", "admitted request_id=")
+                     if f"worker_id={faulty.worker_id}" in line]
+        assert ran_there, "the faulty worker never got a request: the fault tested nothing"
+        gone = cluster.log_events("scheduler", f"worker_gone worker_id={faulty.worker_id}")
+        assert gone, "the scheduler never saw the broken worker leave"
+        check_no_dead_worker_left(cluster, faulty.worker_id)
+        report("engine_fault", requests_on_faulty_worker=len(ran_there), tokens_recomputed=tokens_recomputed(cluster))
 
 
 def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_new_one(baseline):
@@ -674,6 +803,7 @@ def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline):
         check_nothing_left(cluster)
         loaded = cluster.log_events("scheduler", "pool_loaded")
         assert len(loaded) == 2, "the new scheduler did not load the pool"
+        check_recovered_by_liveness_not_by_the_stall_fallback(cluster, outputs)
         resumed = min(t for output in outputs.values() for _, _, t in output.pieces if t > times["killed_monotonic"])
         report("scheduler_sigkill", restart_to_pool_loaded_seconds=round(loaded[-1][0] - times["restarted"], 2),
                first_token_after_kill_seconds=round(resumed - times["killed_monotonic"], 2),
@@ -704,11 +834,18 @@ def test_restart_redis_mid_run_every_request_completes(baseline, down_seconds):
         check_token_streams(cluster, outputs)
         check_nothing_left(cluster)
         resumed = min(t for output in outputs.values() for _, _, t in output.pieces if t > times["restarted_monotonic"])
+        check_recovered_by_liveness_not_by_the_stall_fallback(cluster, outputs)
+        recomputed = tokens_recomputed(cluster)
+        declared_dead = len(cluster.log_events("scheduler", "worker_dead"))
+        if down_seconds == 0:  # no heartbeat key expired: nothing moved, nothing computed twice
+            assert (declared_dead, recomputed) == (0, 0), (declared_dead, recomputed)
+        else:  # every key expired meanwhile: the workers' requests were rebuilt when they came back
+            assert declared_dead >= 1 and recomputed > 0, (declared_dead, recomputed)
         report(f"redis_sigkill_restart_{down_seconds:g}s",
                redis_down_seconds=round(times["answering"] - times["stopped"], 2),
                first_token_after_restart_seconds=round(resumed - times["restarted_monotonic"], 2),
-               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster),
-               workers_declared_dead=len(cluster.log_events("scheduler", "worker_dead")))
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=recomputed,
+               workers_declared_dead=declared_dead)
 
 
 def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline):

@@ -10,7 +10,8 @@ from services.worker.kv_cache import KVCacheFull
 from shared.config import Settings
 from shared.messages import SamplingParams
 from shared.tokenizer import Tokenizer
-from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_item
+from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_item, tiny_engine
+from tests.requirements import import_or_skip
 
 ATTENTION_PATHS = ["batched", "per_request"]
 # float32, different matmul shapes per batch: logits agree to about 1e-4; this leaves margin.
@@ -40,7 +41,7 @@ def real_engine():
 
 @pytest.fixture(scope="module")
 def transformers_model():
-    transformers = pytest.importorskip("transformers")
+    transformers = import_or_skip("transformers")
     from shared.model_file import locate_gguf
 
     path = locate_gguf()
@@ -119,7 +120,7 @@ def mixed_step_matches_solo_runs(engine: Engine, prompts: list[list[int]]) -> No
 
 @pytest.mark.parametrize("attention", ATTENTION_PATHS)
 def test_mixed_prefill_and_decode_step_equals_solo_runs_tiny_model(attention):
-    engine = Engine.tiny(kv_blocks=128, kv_block_size=4, attention=attention)
+    engine = tiny_engine(kv_blocks=128, kv_block_size=4, attention=attention)
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(length)] for length in (13, 3, 9, 30, 11)]
     mixed_step_matches_solo_runs(engine, prompts)
@@ -152,7 +153,7 @@ def test_both_attention_paths_give_the_same_logits():
     prompts = [[rng.randrange(256) for _ in range(length)] for length in (17, 1, 6)]
     results = {}
     for attention in ATTENTION_PATHS:
-        engine = Engine.tiny(attention=attention)
+        engine = tiny_engine(attention=attention)
         for index in range(3):
             engine.add_request(str(index), GREEDY)
         step = engine.step([prefill_item(str(index), prompt) for index, prompt in enumerate(prompts)], return_logits=True)
@@ -169,8 +170,8 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
     the decode workspace's capacity; at every step the batched path (with its workspace kept
     across steps, one that must often fall back to gathering, or none) gives the per-request
     path's logits."""
-    reference = Engine.tiny(kv_blocks=512, kv_block_size=4, attention="per_request")
-    batched = Engine.tiny(kv_blocks=512, kv_block_size=4, attention="batched", decode_workspace_tokens=workspace_tokens)
+    reference = tiny_engine(kv_blocks=512, kv_block_size=4, attention="per_request")
+    batched = tiny_engine(kv_blocks=512, kv_block_size=4, attention="batched", decode_workspace_tokens=workspace_tokens)
     rng = random.Random(7)
     live: dict[str, list[int]] = {}  # request id -> every token fed or sampled so far
     fed: dict[str, int] = {}  # tokens whose KV is written
@@ -221,7 +222,7 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
 
 
 def test_the_per_request_path_leaves_the_decode_workspace_alone():
-    engine = Engine.tiny(attention="batched")
+    engine = tiny_engine(attention="batched")
     engine.attention = "per_request"  # switched at run time, as the engine benchmark does
     engine.add_request("a", GREEDY)
     token = engine.step([prefill_item("a", [5, 6, 7])]).tokens["a"]
@@ -233,7 +234,7 @@ def test_the_per_request_path_leaves_the_decode_workspace_alone():
 
 
 def test_blocks_all_return_after_many_random_requests_start_grow_finish_and_get_evicted():
-    engine = Engine.tiny(kv_blocks=40, kv_block_size=4)
+    engine = tiny_engine(kv_blocks=40, kv_block_size=4)
     rng = random.Random(3)
     live: dict[str, int] = {}  # request id -> tokens in KV
     next_tokens: dict[str, int] = {}
@@ -273,7 +274,7 @@ def test_blocks_all_return_after_many_random_requests_start_grow_finish_and_get_
 
 
 def test_a_request_that_would_overflow_the_pool_gets_a_typed_error_and_others_still_run():
-    engine = Engine.tiny(kv_blocks=8, kv_block_size=4)  # 32 tokens in all
+    engine = tiny_engine(kv_blocks=8, kv_block_size=4)  # 32 tokens in all
     engine.add_request("small", GREEDY)
     engine.add_request("huge", GREEDY)
     step = engine.step([prefill_item("huge", list(range(40))), prefill_item("small", [1, 2, 3])])
@@ -288,7 +289,7 @@ def test_a_request_that_would_overflow_the_pool_gets_a_typed_error_and_others_st
 
 
 def test_inconsistent_items_are_refused_without_touching_the_kv():
-    engine = Engine.tiny()
+    engine = tiny_engine()
     engine.add_request("a", GREEDY)
     step = engine.step([prefill_item("a", [1, 2, 3])])
     bad = engine.step([decode_item("a", 5, 7, 1), decode_item("ghost", 5, 0, 0), prefill_item("a", [999], start=3)])
@@ -304,7 +305,7 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tok
 
 
 def test_seeded_sampling_is_invariant_to_batch_composition_and_kv_rebuild_tiny_model():
-    seeded_sampling_is_invariant(Engine.tiny(kv_blocks=256), list(range(5, 25)), count=16)
+    seeded_sampling_is_invariant(tiny_engine(kv_blocks=256), list(range(5, 25)), count=16)
 
 
 @pytest.mark.slow
@@ -351,7 +352,7 @@ def seeded_sampling_is_invariant(engine: Engine, prompt: list[int], count: int) 
 
 
 def test_greedy_is_temperature_zero_and_top_k_one_is_greedy_too():
-    engine = Engine.tiny()
+    engine = tiny_engine()
     prompt = list(range(10, 30))
     greedy = generate_alone(engine, "g", prompt, 8)
     top1 = generate_alone(engine, "k", prompt, 8, SamplingParams(temperature=1.5, top_k=1, seed=5))
@@ -359,11 +360,21 @@ def test_greedy_is_temperature_zero_and_top_k_one_is_greedy_too():
 
 
 def test_kv_pool_can_be_sized_as_a_fraction_of_free_memory():
+    """The pool's tensors take that fraction of the memory free before it was made (within a
+    block), and twice the fraction gives twice the pool: measured on the tensors, not by redoing
+    the sizing arithmetic."""
     from services.worker.engine import free_memory_bytes
 
-    config = Engine.tiny().config
-    settings = Settings(kv_memory_fraction=0.001, kv_block_size=4)
-    cache = Engine._kv_cache_for(config, settings, torch.device("cpu"), torch.float32)
-    bytes_per_block = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4 * 4
-    expected = int(free_memory_bytes(torch.device("cpu")) * 0.001) // bytes_per_block
-    assert abs(cache.blocks_total - expected) <= expected * 0.05 + 1
+    config = tiny_engine().config
+    pools = {}
+    for fraction in (0.0005, 0.001):
+        free_before = free_memory_bytes(torch.device("cpu"))
+        settings = Settings(kv_memory_fraction=fraction, kv_block_size=4)
+        cache = Engine.kv_cache_for(config, settings, torch.device("cpu"), torch.float32)
+        pool_bytes = cache.keys.nbytes + cache.values.nbytes
+        block_bytes = pool_bytes // cache.blocks_total
+        assert abs(pool_bytes - fraction * free_before) <= block_bytes + 0.02 * fraction * free_before, (
+            f"pool of {pool_bytes} bytes for {fraction} of {free_before} free")
+        pools[fraction] = cache.blocks_total
+        del cache
+    assert abs(pools[0.001] / pools[0.0005] - 2) < 0.1, pools

@@ -14,6 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway.app import create_app, run_gateway
+from services.gateway.state import STATE
 from shared import keys
 from shared.config import Settings
 from shared.messages import RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
@@ -498,8 +499,16 @@ async def test_a_finished_request_is_not_cancelled(gateway, scheduler, redis_cli
     assert payloads[-1] == "[DONE]"
     status, _ = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
     assert status == 200
-    await asyncio.sleep(0.2)
+    # Not a sleep: once no generation handler is running and the cancels they started in the
+    # background are done, any cancel the gateway was going to send is in Redis.
+    state = gateway.server.app[STATE]
+    await wait_until(lambda: _true(state.metrics.in_flight._value.get() == 0), "the handlers to return")
+    await state.drain_background()
     assert await cancel_entries(redis_client) == []
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _has_cancel(redis_client, request_id: str) -> bool:
@@ -631,6 +640,27 @@ async def test_a_failed_request_is_an_error_not_a_500(gateway, redis_client):
             payloads = await read_sse(response)
     assert json.loads(payloads[0])["choices"][0]["text"] == " w0"
     assert json.loads(payloads[-2])["error"]["code"] == "request_failed" and payloads[-1] == "[DONE]"
+
+
+async def test_a_bug_in_the_gateway_is_a_500_with_an_error_body_and_the_gateway_serves_on(
+        gateway, scheduler, monkeypatch, caplog):
+    """An unexpected exception is a bug: 500 (not a 503 that invites retries into it), an OpenAI
+    error body, the traceback logged with the request's id; the next request is served."""
+    from services.gateway import responses
+
+    def broken_chunk_writer(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(responses, "final_body", broken_chunk_writer)
+    monkeypatch.setattr("services.gateway.generation.final_body", broken_chunk_writer)
+    status, body = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
+    assert status == 500, body
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "internal_error"
+    logged = [record for record in caplog.records if "unexpected error" in record.getMessage()]
+    assert logged and "id=cmpl-" in logged[0].getMessage() and logged[0].exc_info is not None
+    monkeypatch.undo()
+    status, body = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
+    assert status == 200 and body["choices"][0]["text"] == " w0 w1 w2"
 
 
 async def test_models_list(gateway):

@@ -13,6 +13,7 @@ import redis
 
 from shared.redis_connection import connect, credentials_error, redacted
 from tests.redis_server import RedisProcess, free_port
+from tests.requirements import skip_unless_ci
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,7 +43,7 @@ def test_credentials_are_checked_once_at_start():
 def tls_redis():
     """redis-server with TLS only (no plain port) and a password, its certificate made here."""
     if shutil.which("openssl") is None or shutil.which("redis-server") is None:
-        pytest.skip("needs openssl and redis-server")
+        skip_unless_ci("needs openssl and redis-server")
     directory = Path(tempfile.mkdtemp(prefix="iterserve-tls-"))
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
@@ -66,7 +67,7 @@ def tls_redis():
                 break
             except redis.exceptions.RedisError:
                 if process.poll() is not None:
-                    pytest.skip("this redis-server was built without TLS")
+                    skip_unless_ci("this redis-server was built without TLS")
                 assert time.monotonic() < deadline, "TLS redis-server did not start"
                 time.sleep(0.1)
         yield url, port, cert

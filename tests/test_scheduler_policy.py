@@ -364,15 +364,19 @@ def test_a_worker_given_up_on_that_comes_back_frees_what_it_held():
     policy = make_policy()
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     policy.add_request(record("r0", arrival=0, max_tokens=5))
-    policy.on_result(answer(policy.next_plan("w1")))
+    first = policy.next_plan("w1")
+    assert first.free_all, "a worker's first plan drops whatever it held before"
+    policy.on_result(answer(first))
+    later = policy.next_plan("w1")
+    assert not later.free_all
+    policy.on_result(answer(later))
     policy.worker_down("w1")  # e.g. its heartbeats were lost while Redis restarted
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     plan = policy.next_plan("w1")
-    assert plan.free_request_ids == ("r0",)
-    assert plan.items == (), "not rebuilt in the plan that frees it"
+    assert plan.free_all, "it may still hold r0's KV: its first plan back drops it"
+    assert [(item.request_id, item.start_position, item.output_index) for item in plan.items] == [("r0", 0, 2)]
     policy.on_result(answer(plan))
-    plan = policy.next_plan("w1")
-    assert [(item.request_id, item.start_position, item.output_index) for item in plan.items] == [("r0", 0, 1)]
+    assert not policy.next_plan("w1").free_all
 
 
 def test_new_requests_are_spread_over_idle_workers_by_free_kv():

@@ -12,8 +12,10 @@ import sys
 import time
 
 import pytest
+from redis.exceptions import OutOfMemoryError
 
-from services.scheduler.service import run_scheduler
+from services.gateway.store import Store
+from services.scheduler.service import SchedulerService, run_scheduler
 from shared import keys
 from shared.config import Settings
 from shared.messages import (
@@ -97,7 +99,8 @@ class FakeWorker:
     async def _heartbeats(self) -> None:
         while not self.stop.is_set():
             await asyncio.sleep(0.1)
-            await self._heartbeat_once()
+            with contextlib.suppress(OutOfMemoryError):
+                await self._heartbeat_once()
 
     async def _serve(self) -> None:
         last_id = "0-0"
@@ -110,13 +113,21 @@ class FakeWorker:
                     self.plans.append(plan)
                     result = self._run(plan)
                     await asyncio.sleep(self.step_seconds)
-                    await self.redis.xadd(keys.RESULTS_STREAM, {"m": encode(result)})
+                    while True:  # as the real worker: a Redis that refuses writes for a while is waited out
+                        try:
+                            await self.redis.xadd(keys.RESULTS_STREAM, {"m": encode(result)})
+                            break
+                        except OutOfMemoryError:
+                            await asyncio.sleep(0.05)
 
     def _run(self, plan: BatchPlan) -> PlanResult:
         if plan.scheduler_epoch != self.epoch:
             self.epoch = plan.scheduler_epoch
             self.kv.clear()
             self.seeds.clear()
+            self.last_sampled.clear()
+        if plan.free_all:
+            self.kv.clear()
             self.last_sampled.clear()
         for request_id in plan.free_request_ids:
             self.kv.pop(request_id, None)
@@ -193,6 +204,11 @@ async def submit(redis, request_id: str, prompt: tuple[int, ...], **sampling) ->
     pipe.xadd(keys.NEW_REQUESTS_STREAM, {"id": request_id})
     await pipe.execute()
     return record
+
+
+async def cancel(redis, request_id: str) -> None:
+    """What the gateway does (docs/protocol.md, "Cancelling"): flag and cancel-stream entry."""
+    await Store(redis).cancel(request_id)
 
 
 async def read_events(redis, request_id: str) -> list[tuple[bytes, TokenEvent]]:
@@ -307,11 +323,11 @@ async def test_cancel_a_running_and_a_waiting_request(redis_client, settings):
         await wait_until(lambda: _has_events(redis_client, "cmpl-running", 3), what="first tokens")
         await submit(redis_client, "cmpl-waiting", prompts["cmpl-waiting"], seed=2, max_tokens=5)
         await submit(redis_client, "cmpl-after", prompts["cmpl-after"], seed=4, max_tokens=2)
-        await redis_client.xadd(keys.CANCEL_STREAM, {"id": "cmpl-waiting"})
+        await cancel(redis_client, "cmpl-waiting")
         waiting = await wait_finished(redis_client, "cmpl-waiting")
         assert [(event.index, event.token_id, event.text, event.finish_reason) for event in waiting] == [
             (0, -1, "", "cancelled")]
-        await redis_client.xadd(keys.CANCEL_STREAM, {"id": "cmpl-running"})
+        await cancel(redis_client, "cmpl-running")
         running = await wait_finished(redis_client, "cmpl-running")
         final = running[-1]
         assert (final.token_id, final.text, final.finish_reason) == (-1, "", "cancelled")
@@ -348,7 +364,7 @@ async def test_request_level_batch_results_come_when_the_whole_batch_is_done(red
             else:
                 assert visible == [2, 40]
             await submit(redis_client, "cmpl-next", prompts["cmpl-next"], seed=6, max_tokens=3)
-            await redis_client.xadd(keys.CANCEL_STREAM, {"id": "cmpl-cancelled"})
+            await cancel(redis_client, "cmpl-cancelled")
             cancelled = await wait_finished(redis_client, "cmpl-cancelled")
             assert cancelled[-1].finish_reason == "cancelled" and len(cancelled) > 40
             assert [event.index for event in cancelled] == list(range(len(cancelled))), "held tokens, then the cancel"
@@ -412,7 +428,10 @@ async def test_a_restarted_scheduler_finishes_every_request_with_the_same_output
     assert uninterrupted["f"][-1].completion_tokens == 55
 
 
-async def test_requests_of_a_dead_worker_finish_on_another_with_the_same_output(redis_client, settings):
+async def test_a_dead_workers_requests_are_rebuilt_on_another_and_its_keys_deleted(redis_client, settings):
+    """The protocol only: the fake model's tokens are a function of (seed, index), so equal output
+    holds here by construction. That a real engine gives the same output after a worker dies is
+    proved by tests/test_chaos.py::test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run."""
     prompts = {f"cmpl-{index}": tuple(range(30 + index, 40 + index)) for index in range(6)}
     async with (FakeWorker(settings.redis_url, "w-stays", prompts, step_seconds=0.004) as stays,
                 FakeWorker(settings.redis_url, "w-dies", prompts, step_seconds=0.004) as dies,
@@ -425,7 +444,116 @@ async def test_requests_of_a_dead_worker_finish_on_another_with_the_same_output(
         for index, request_id in enumerate(prompts):
             check_stream(request_id, await wait_finished(redis_client, request_id), index * 5, 10, 60, "length")
         assert await redis_client.sismember(keys.WORKERS_SET, "w-dies") == 0
+        assert not await redis_client.exists(keys.plan_stream("w-dies")), "the dead worker's plan stream is left"
+        assert not await redis_client.exists(keys.worker_heartbeat("w-dies"))
+        assert await redis_client.exists(keys.plan_stream("w-stays")), "the live worker's plan stream is kept"
         assert stays.errors == [] and dies.errors == []
+
+
+async def test_streams_hold_only_what_a_reader_still_needs(redis_client, settings):
+    """The input streams are trimmed to the scheduler's read position, the iteration records to
+    Settings.iteration_records: 300 requests leave at most a few entries behind."""
+    settings = settings.model_copy(update={"iteration_records": 30})
+    prompts = {f"cmpl-t{index}": (1 + index % 50, 2, 3) for index in range(300)}
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.001), running_scheduler(settings):
+        for request_id in prompts:
+            await submit(redis_client, request_id, prompts[request_id], seed=3, max_tokens=2)
+        for request_id in list(prompts)[::4]:
+            await cancel(redis_client, request_id)
+        for request_id in prompts:
+            await wait_finished(redis_client, request_id)
+
+        async def trimmed() -> bool:  # at the next heartbeat
+            lengths = [await redis_client.xlen(stream)
+                       for stream in (keys.NEW_REQUESTS_STREAM, keys.CANCEL_STREAM, keys.RESULTS_STREAM)]
+            return max(lengths) <= 1
+
+        await wait_until(trimmed, what="the input streams trimmed to what the scheduler read")
+        assert await redis_client.xlen(keys.ITERATIONS_STREAM) == 30
+
+
+async def test_a_request_cancelled_while_no_scheduler_runs_is_cancelled_by_the_next(redis_client, settings):
+    """The cancel stream is gone (trimmed): the flag in the request's hash is what the loader reads."""
+    prompts = {"cmpl-gone": (1, 2, 3), "cmpl-kept": (4, 5)}
+    await submit(redis_client, "cmpl-gone", prompts["cmpl-gone"], seed=1, max_tokens=50)
+    await submit(redis_client, "cmpl-kept", prompts["cmpl-kept"], seed=2, max_tokens=3)
+    await cancel(redis_client, "cmpl-gone")
+    await redis_client.delete(keys.CANCEL_STREAM)
+    async with FakeWorker(settings.redis_url, "w1", prompts) as worker, running_scheduler(settings):
+        gone = await wait_finished(redis_client, "cmpl-gone")
+        assert [(event.token_id, event.finish_reason) for event in gone] == [(-1, "cancelled")]
+        check_stream("cmpl-kept", await wait_finished(redis_client, "cmpl-kept"), 2, 2, 3, "length")
+    assert all(item.request_id != "cmpl-gone" for plan in worker.plans for item in plan.items)
+
+
+async def test_writes_redis_refuses_for_a_while_are_sent_again_in_order(redis_client, settings, caplog):
+    """Out of memory refuses every write for half a second: the scheduler backs off and sends them
+    again, whole and in order, so no token stream has a gap or a duplicate."""
+    prompts = {f"cmpl-oom{index}": (10 + index, 11, 12) for index in range(4)}
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.003, timeout_ms=5000), \
+            running_scheduler(settings) as task:
+        for index, request_id in enumerate(prompts):
+            await submit(redis_client, request_id, prompts[request_id], seed=index, max_tokens=150)
+        await wait_until(lambda: _has_events(redis_client, "cmpl-oom3", 5), what="tokens before Redis is full")
+        await redis_client.config_set("maxmemory", "1")  # noeviction: every write is refused
+        try:
+            await asyncio.sleep(0.5)
+        finally:
+            await redis_client.config_set("maxmemory", "0")
+        for index, request_id in enumerate(prompts):
+            check_stream(request_id, await wait_finished(redis_client, request_id), index, 3, 150, "length")
+        assert not task.done()
+    assert "RedisWritesRefused" in caplog.text, "Redis never refused a round trip: the test did not test"
+
+
+async def test_a_write_failing_on_one_requests_key_fails_that_request_alone(redis_client, settings):
+    """A request whose token stream is not a stream (broken before it was loaded, or while it runs)
+    ends failed, and says so in its hash; the others are untouched and the scheduler runs on."""
+    prompts = {"cmpl-broken-before": (1, 2, 3), "cmpl-broken-during": (7, 8), "cmpl-fine": (4, 5, 6)}
+    await redis_client.set(keys.token_stream("cmpl-broken-before"), b"not a stream")
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.01) as worker, \
+            running_scheduler(settings) as task:
+        await submit(redis_client, "cmpl-broken-before", prompts["cmpl-broken-before"], seed=1, max_tokens=40)
+        await submit(redis_client, "cmpl-broken-during", prompts["cmpl-broken-during"], seed=3, max_tokens=200)
+        await submit(redis_client, "cmpl-fine", prompts["cmpl-fine"], seed=2, max_tokens=40)
+        await wait_until(lambda: _has_events(redis_client, "cmpl-broken-during", 3), what="its first tokens")
+        async with redis_client.pipeline(transaction=True) as pipe:  # its next XADD fails inside Redis
+            pipe.delete(keys.token_stream("cmpl-broken-during"))
+            pipe.set(keys.token_stream("cmpl-broken-during"), b"not a stream")
+            await pipe.execute()
+        check_stream("cmpl-fine", await wait_finished(redis_client, "cmpl-fine"), 2, 3, 40, "length")
+        for request_id in ("cmpl-broken-before", "cmpl-broken-during"):
+            async def failed() -> bool:
+                return await redis_client.hmget(keys.request_key(request_id), ["status", "finish_reason"]) == [
+                    b"failed", b"error"]
+
+            await wait_until(failed, what=f"{request_id}, whose stream cannot be written, to fail")
+            assert not await redis_client.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
+            assert await redis_client.ttl(keys.request_key(request_id)) > 0
+        assert not task.done()
+    assert worker.errors == []
+
+
+async def test_an_unexpected_error_in_the_bookkeeping_ends_the_scheduler(redis_client, settings, monkeypatch):
+    """No catch-all: a bug could leave the policy half-applied, so the process ends (and its restart
+    rebuilds everything from Redis) instead of going on."""
+    from services.scheduler.policy import SchedulerPolicy
+
+    def on_result(self, result):
+        raise KeyError("half-applied")
+
+    monkeypatch.setattr(SchedulerPolicy, "on_result", on_result)
+    prompts = {"cmpl-a": (1, 2)}
+    async with FakeWorker(settings.redis_url, "w1", prompts):
+        task = asyncio.create_task(run_scheduler(settings, asyncio.Event()))
+        try:
+            await submit(redis_client, "cmpl-a", prompts["cmpl-a"], seed=1, max_tokens=3)
+            with pytest.raises(KeyError, match="half-applied"):
+                await asyncio.wait_for(asyncio.shield(task), 10)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KeyError):
+                await task
 
 
 def test_wire_error_is_what_decode_raises():

@@ -98,12 +98,31 @@ def test_completion_greedy_text_equals_the_engine_alone_streamed_or_not(client, 
     assert streamed == expected
 
 
-def test_seeded_sampling_through_the_system_is_repeatable(client):
-    def sample():
-        return client.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=16,
-                                         temperature=0.9, top_p=0.95, seed=42).choices[0].text
+def test_seeded_sampling_depends_on_the_seed_only_and_temperature_zero_is_greedy(client, engine_alone, tokenizer):
+    """A seed picks the output: the same seed gives the same text alone and inside a batch of
+    other requests, different seeds give different texts (so temperature and seed are not
+    ignored), and temperature 0 is greedy whatever the seed."""
+    prompt = "My favourite food is"
 
-    assert sample() == sample()
+    def sample(seed: int, temperature: float = 0.9) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=temperature,
+                                          top_p=0.95, seed=seed).choices[0].text
+
+    alone = sample(42)
+    assert sample(42) == alone
+    others = [f"Tell me about the number {index}." for index in range(7)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        in_batch = pool.submit(sample, 42)
+        noise = [pool.submit(client.completions.create, model=MODEL, prompt=other, max_tokens=24, temperature=1.0,
+                             seed=index) for index, other in enumerate(others)]
+        assert in_batch.result() == alone, "the same seed gave another output inside a batch"
+        for future in noise:
+            future.result()
+    by_seed = {seed: sample(seed) for seed in (1, 2, 3, 4)} | {42: alone}
+    assert len(set(by_seed.values())) == len(by_seed), f"different seeds gave the same output: {by_seed}"
+    greedy, _ = engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), 16)
+    assert sample(1, temperature=0) == sample(2, temperature=0) == greedy
+    assert greedy not in by_seed.values(), "sampling at temperature 0.9 gave the greedy text for every seed"
 
 
 def test_concurrent_requests_all_complete_with_their_own_greedy_answer(client, engine_alone, tokenizer):

@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.admission import Admission, load_api_keys
-from services.gateway.errors import ApiError, ServiceUnavailable, error_body, unknown_request
+from services.gateway.errors import ApiError, ServiceUnavailable, error_body, internal_error, unknown_request
 from services.gateway.generation import create_chat_completion, create_completion, reattach_stream, visible_to
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
@@ -89,7 +89,9 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure becomes an OpenAI-style JSON error; nothing escapes as a 500."""
+    """Every failure becomes an OpenAI-style JSON error. An unexpected exception is a bug in the
+    gateway: a 500 with an error body (not a 503, which invites the client to retry into the same
+    bug), logged with the request's id."""
     code = None
     try:
         return await handler(request)
@@ -102,8 +104,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except asyncio.CancelledError:
         raise
     except Exception:
-        log.exception("unexpected error method=%s path=%s", request.method, request.path)
-        internal = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error")
+        answer = request.get(ANSWER)
+        log.exception("unexpected error method=%s path=%s id=%s", request.method, request.path,
+                      answer.request_id if answer is not None else "-")
+        internal = internal_error()
         response, code = internal.response(), internal.code
     _count_refusal(request, response.status)
     request.app[STATE].metrics.refusals.labels(str(response.status), code or "none").inc()

@@ -48,6 +48,11 @@ def unknown_model(model: str, served: str) -> ApiError:
     )
 
 
+def internal_error() -> ApiError:
+    """A bug in the gateway (logged with the request's id): retrying will not help."""
+    return ApiError(500, "internal server error", error_type="server_error", code="internal_error")
+
+
 def unknown_request(request_id: str) -> ApiError:
     message = f"No request with id `{request_id}` (unknown or expired)."
     return ApiError(404, message, param="id", code="request_not_found")

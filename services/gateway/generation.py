@@ -15,7 +15,7 @@ from jinja2 import TemplateError
 
 from services.gateway.admission import OPEN_KEY_ID, Ticket
 from services.gateway.api_models import GenerationParams, parse_body
-from services.gateway.errors import ApiError, bad_request, unknown_model, unknown_request
+from services.gateway.errors import ApiError, bad_request, internal_error, unknown_model, unknown_request
 from services.gateway.responses import (
     CHAT,
     COMPLETIONS,
@@ -336,7 +336,7 @@ async def stream_answer(
     except Exception:
         log.exception("stream failed id=%s", answer.request_id)
         answer.abandon("internal error")
-        body = ApiError(503, "internal error, retry", error_type="server_error", code="internal_error").body()
+        body = internal_error().body()
         await _write_quietly(response, sse(body) + DONE_EVENT)
     return response
 

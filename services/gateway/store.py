@@ -37,6 +37,12 @@ STATUS_FINISH_REASON = {"finished": "stop", "cancelled": "cancelled", "failed": 
 
 T = TypeVar("T")
 
+# KEYS: request_key(id), CANCEL_STREAM; ARGV: id, CANCEL_FLAG.
+CANCEL_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[2], '1') end
+return redis.call('XADD', KEYS[2], '*', 'id', ARGV[1])
+"""
+
 
 @dataclass(frozen=True)
 class RequestState:
@@ -67,6 +73,7 @@ class Store:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self._calls: set[asyncio.Task] = set()
+        self._cancel_script = redis.register_script(CANCEL_SCRIPT)
 
     async def _call(
         self,
@@ -133,7 +140,11 @@ class Store:
         await self._call(transaction(), on_late_success=cancel_orphan)
 
     async def cancel(self, request_id: str) -> None:
-        await self._call(self.redis.xadd(keys.CANCEL_STREAM, {"id": request_id}))
+        """Flag the request cancelled in its hash (read by a scheduler that loads it later), then
+        tell the scheduler through the cancel stream, atomically. An expired request's hash is not
+        brought back: the flag is set only on a key that exists."""
+        await self._call(self._cancel_script(keys=[keys.request_key(request_id), keys.CANCEL_STREAM],
+                                             args=[request_id, keys.CANCEL_FLAG]))
 
     async def request_state(self, request_id: str) -> RequestState | None:
         """The request's status and record, or None when the request is unknown (or expired)."""

@@ -119,7 +119,6 @@ class SchedulerPolicy:
         self._drafts: list[_RecordDraft] = []
         self._latest_draft: dict[str, _RecordDraft] = {}
         self._finished_without_token: list[RequestState] = []
-        self._held_when_lost: dict[str, set[str]] = {}  # worker id -> requests it held when it went down
 
     # The pool of requests
 
@@ -217,10 +216,9 @@ class SchedulerPolicy:
             if (worker.kv_blocks_total, worker.kv_block_size) == (kv_blocks_total, kv_block_size):
                 return
             self.worker_down(worker_id)  # a different cache: a different worker under the same name
-        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size)
-        # Back after being given up on (e.g. heartbeats lost in a Redis outage), it may still hold
-        # KV of requests that moved on: its first plan frees them (harmless if it restarted empty).
-        worker.to_free.update(dict.fromkeys(sorted(self._held_when_lost.pop(worker_id, ()))))
+        # Its first plan says free_all: back after being given up on (e.g. heartbeats lost in a Redis
+        # outage) it may still hold KV of requests that moved on; it holds nothing of ours yet.
+        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size, free_all=True)
         self._workers[worker_id] = worker
         log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d",
                  worker_id, kv_blocks_total, kv_block_size)
@@ -233,7 +231,6 @@ class SchedulerPolicy:
         moved = list(worker.running)
         for state in list(worker.running.values()):
             self._requeue(worker, state)
-        self._held_when_lost[worker_id] = set(moved) | set(worker.to_free)
         self._latest_draft.pop(worker_id, None)
         log.info("worker_down worker_id=%s requeued=%d abandoned_plans=%s", worker_id, len(moved),
                  [flight.plan.plan_id for flight in worker.in_flight])
@@ -305,7 +302,7 @@ class SchedulerPolicy:
         if not worker.draining and (self.policy == "iteration" or forming):
             self._admit_waiting(batch)
         if not batch.chunks and not worker.to_free:
-            return None
+            return None  # (a pending free_all waits for the first plan with work)
         return self._emit_plan(batch)
 
     def on_result(self, result: PlanResult) -> list[TokenOutcome]:
@@ -505,7 +502,8 @@ class SchedulerPolicy:
                 joined.append(request_id)
                 state.stepped_on_worker = True
             if state.in_flight_samples:  # its input is the token a plan in flight samples
-                assert chunk == 1, "only the one token sampled in flight can be pending"
+                if chunk != 1:  # the bookkeeping is broken: better to stop than plan on it
+                    raise RuntimeError(f"{request_id}: {chunk} tokens pending behind a token sampled in flight")
                 item = StepItem(request_id=request_id, token_ids=(), feeds_sampled=True, start_position=start,
                                 sample=True, output_index=state.planned_outputs)
             else:
@@ -528,9 +526,11 @@ class SchedulerPolicy:
             new_requests=tuple(new_requests),
             items=tuple(items),
             free_request_ids=tuple(worker.to_free),
+            free_all=worker.free_all,
         )
         self._next_plan_id += 1
         worker.to_free.clear()
+        worker.free_all = False
         worker.in_flight.append(PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens,
                                              placements))
         return plan
@@ -547,7 +547,7 @@ class SchedulerPolicy:
         return None
 
     def _on_item_error(self, worker: WorkerState, state: RequestState, code: str, message: str) -> None:
-        state.item_errors += code != "kv_cache_full"  # a full cache is a reason to wait, not a fault
+        state.item_errors += code not in ("kv_cache_full", "out_of_memory")  # reasons to wait, not faults
         if state.item_errors >= MAX_ITEM_ERRORS:
             log.error("failed request_id=%s worker_id=%s code=%s message=%s", state.request_id,
                       worker.worker_id, code, message)

@@ -98,6 +98,7 @@ class WorkerState:
     kv_blocks_total: int
     kv_block_size: int
     draining: bool = False  # takes no new requests
+    free_all: bool = False  # its next plan tells it to drop all its KV first (set when it comes up)
     running: dict[str, RequestState] = field(default_factory=dict)  # in admission order
     known: set[str] = field(default_factory=set)  # got their NewRequest since they were last freed here
     to_free: dict[str, None] = field(default_factory=dict)  # left this worker since its last plan

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError
 
 from services.scheduler.policy import SchedulerPolicy, TokenOutcome, status_for
 from services.scheduler.request_state import RequestState
@@ -53,10 +53,41 @@ LOAD_BATCH = 256  # requests loaded per round trip
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 REDIS_SLACK_SECONDS = 10.0  # a Redis call may take this much longer than its own block time
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
-PLAN_STREAM_MAXLEN = 1000
-ITERATIONS_STREAM_MAXLEN = 100_000
-STARTUP_CANCELS = 1000  # recent cancels re-read at start: some may target requests still active
-REMEMBERED_IDS = 100_000  # recently finished ids (dedupe), and cancels of requests not yet seen
+PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
+# The input streams are trimmed to the scheduler's own read position (nobody else reads them, and
+# a restarted scheduler starts from the active set, not from them): after this many entries read,
+# or on the heartbeat timer, whichever comes first.
+TRIM_EVERY_ENTRIES = 256
+REMEMBERED_IDS = 100_000  # recently finished ids: a duplicate new-request entry is not loaded again
+# Redis refused a whole round trip's writes up front (EXECABORT): they are all sent again.
+REFUSED_WRITES = (ExecAbortError, OutOfMemoryError, ReadOnlyError)
+REFUSAL_PREFIXES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "EXECABORT")
+
+
+def refused_up_front(error: Exception) -> bool:
+    """Redis refused a command before running it, for a reason that passes (memory, replication,
+    persistence): retrying later is right."""
+    return isinstance(error, REFUSED_WRITES) or str(error).startswith(REFUSAL_PREFIXES)
+
+
+class RedisWritesRefused(RedisError):
+    """Redis refused the round trip's writes before running any (out of memory, a read-only
+    replica, failing persistence): nothing was written, everything is sent again after a backoff."""
+
+
+class SchedulerStateError(Exception):
+    """A write to a key the scheduler owns failed inside Redis (e.g. a key of the wrong type): the
+    scheduler's memory and Redis disagree, so the process stops and the restart path rebuilds."""
+
+
+@dataclass(frozen=True)
+class Write:
+    """One Redis command of the next round trip."""
+
+    command: str
+    args: tuple
+    kwargs: dict
+    request_id: str | None = None  # the request whose keys it writes (None: a shared key)
 
 
 @dataclass(eq=False)
@@ -64,7 +95,7 @@ class HeldResults:
     """A request's token events and end, not yet written: its request-level batch still runs."""
 
     worker_id: str
-    writes: list[tuple[str, tuple, dict]] = field(default_factory=list)
+    writes: list["Write"] = field(default_factory=list)
 
 
 async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
@@ -133,13 +164,15 @@ class SchedulerService:
         self.last_iteration_at = 0.0
         self.iterations = 0
         self._outputs: dict[str, OutputText] = {}
-        self._writes: list[tuple[str, tuple, dict]] = []  # commands for the next round trip
+        self._writes: list[Write] = []  # commands for the next round trip
         self._marked_running: set[str] = set()  # status "running" written in this run
         self._recently_finished = BoundedSet(REMEMBERED_IDS)
-        self._early_cancels = BoundedSet(REMEMBERED_IDS)  # cancels of requests not loaded yet
+        self._write_failures = BoundedSet(REMEMBERED_IDS)  # requests failed for a write Redis refused
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._worker_started_at: dict[str, float] = {}
         self._stream_ids = {keys.NEW_REQUESTS_STREAM: "0-0", keys.CANCEL_STREAM: "0-0", keys.RESULTS_STREAM: "0-0"}
+        self._trimmed_ids = dict(self._stream_ids)  # where each input stream was last trimmed
+        self._read_since_trim = 0
         self._loaded = False
         self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
         self._next_poll = 0.0
@@ -164,14 +197,12 @@ class SchedulerService:
                     await self.load_state()
                 await self.turn()
                 backoff = BACKOFF_START_SECONDS
-            except (*RECONNECT_ERRORS, asyncio.TimeoutError) as error:
-                log.warning("redis_unavailable error=%r retry_in=%.2fs", error, backoff)
+            except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisWritesRefused) as error:
+                log.warning("redis_unavailable error=%s:%s retry_in=%.2fs", type(error).__name__, error, backoff)
                 await self._sleep(stop_event, backoff)
                 backoff = min(backoff * 2, BACKOFF_CAP_SECONDS)
-            except Exception:  # a bug must not take the whole server down: log it and go on
-                log.exception("turn_failed retry_in=%.2fs", backoff)
-                await self._sleep(stop_event, backoff)
-                backoff = min(backoff * 2, BACKOFF_CAP_SECONDS)
+            # Anything else is a bug or a Redis that disagrees with our memory: carrying on could run
+            # on half-applied bookkeeping, so it ends the process (the restart rebuilds from Redis).
         await self._shutdown()
 
     @staticmethod
@@ -184,7 +215,7 @@ class SchedulerService:
         try:
             self._queue("delete", keys.SCHEDULER_HEARTBEAT)
             await bounded(self._round_trip(block_ms=None, read=False), REDIS_SLACK_SECONDS)
-        except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError) as error:
+        except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError, SchedulerStateError) as error:
             log.warning("shutdown_write_failed error=%r", error)
         log.info("scheduler_stopped epoch=%s iterations=%d", self.epoch, self.iterations)
 
@@ -200,8 +231,12 @@ class SchedulerService:
             del self._pending_new[: len(batch)]
         self._dispatch()
         if now >= self._next_heartbeat or self._published_counts != self._counts():
+            if now >= self._next_heartbeat:
+                self._queue_trims()
             self._queue_heartbeat()
             self._next_heartbeat = now + self.settings.heartbeat_seconds
+        elif self._read_since_trim >= TRIM_EVERY_ENTRIES:
+            self._queue_trims()
         if self._pending_new:
             block_ms = None  # more requests to load: do not wait
         else:
@@ -213,21 +248,22 @@ class SchedulerService:
     # Startup: rebuild the pool from Redis
 
     async def load_state(self) -> None:
-        """Note where the streams end, then load every active request with its output so far."""
+        """Note where the streams end, then load every active request with its output so far.
+
+        Cancels need no replay: the gateway flags a cancelled request in its hash as well as in the
+        cancel stream, and loading a request reads that flag."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.xrevrange(keys.NEW_REQUESTS_STREAM, count=1)
-        pipe.xrevrange(keys.CANCEL_STREAM, count=STARTUP_CANCELS)
+        pipe.xrevrange(keys.CANCEL_STREAM, count=1)
         pipe.xrevrange(keys.RESULTS_STREAM, count=1)
         pipe.smembers(keys.ACTIVE_REQUESTS_SET)
-        new_tail, cancels, results_tail, active = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
-        for stream, tail in ((keys.NEW_REQUESTS_STREAM, new_tail), (keys.CANCEL_STREAM, cancels),
+        pipe.smembers(keys.WORKERS_SET)
+        new_tail, cancel_tail, results_tail, active, workers = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
+        for stream, tail in ((keys.NEW_REQUESTS_STREAM, new_tail), (keys.CANCEL_STREAM, cancel_tail),
                              (keys.RESULTS_STREAM, results_tail)):
             if tail:
                 self._stream_ids[stream] = _text(tail[0][0])
-        for _, fields in reversed(cancels):
-            request_id = keys.valid_request_id(fields.get(b"id"))
-            if request_id:
-                self._early_cancels.add(request_id)
+        await self._delete_orphan_plan_streams(workers)
         active_ids = []
         for member in active:
             request_id = keys.valid_request_id(member)
@@ -242,6 +278,19 @@ class SchedulerService:
         self._loaded = True
         log.info("pool_loaded epoch=%s active=%d waiting=%d", self.epoch, len(active_ids), self.policy.waiting_count)
 
+    async def _delete_orphan_plan_streams(self, registered: set[bytes]) -> None:
+        """Plan streams of workers that are no longer registered (gone while no scheduler ran)."""
+        prefix = keys.plan_stream("")
+        orphans = []
+        async for key in self.redis.scan_iter(match=prefix + "*", count=1000):
+            worker_id = key[len(prefix):]
+            if worker_id not in registered:
+                orphans.append(key)
+        for key in orphans:
+            self._queue("delete", key)
+        if orphans:
+            log.info("orphan_plan_streams deleted=%d", len(orphans))
+
     async def load_requests(self, request_ids: list[str]) -> None:
         """Add requests (new ones, or active ones after a restart with their output so far)."""
         request_ids = [request_id for request_id in dict.fromkeys(request_ids)
@@ -250,16 +299,27 @@ class SchedulerService:
             return
         pipe = self.redis.pipeline(transaction=False)
         for request_id in request_ids:
-            pipe.hget(keys.request_key(request_id), "record")
+            pipe.hmget(keys.request_key(request_id), ["record", keys.CANCEL_FLAG])
             pipe.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
             pipe.xrange(keys.token_stream(request_id))
-        replies = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
+        replies = await bounded(pipe.execute(raise_on_error=False), REDIS_SLACK_SECONDS)
         for position, request_id in enumerate(request_ids):
-            raw_record, active, entries = replies[3 * position : 3 * position + 3]
-            self._load_one(request_id, raw_record, bool(active), entries)
+            fields, active, entries = replies[3 * position : 3 * position + 3]
+            if isinstance(active, Exception):
+                raise active  # the active set itself is broken: nothing here can be trusted
+            if isinstance(fields, Exception) or isinstance(entries, Exception):
+                # One request's keys hold the wrong type of value: that request cannot be served.
+                log.error("unreadable_request request_id=%s error=%s", request_id,
+                          fields if isinstance(fields, Exception) else entries)
+                self._write_failures.add(request_id)
+                self._write_end(request_id, "error", 0)
+                continue
+            raw_record, cancel_flag = fields
+            self._load_one(request_id, raw_record, bool(active), entries, cancelled=cancel_flag is not None)
         self._publish_finished_without_token()
 
-    def _load_one(self, request_id: str, raw_record: bytes | None, active: bool, entries: list) -> None:
+    def _load_one(self, request_id: str, raw_record: bytes | None, active: bool, entries: list,
+                  cancelled: bool = False) -> None:
         if not active:
             return  # finished before we saw it (a duplicate stream entry, or a restart)
         events: dict[int, TokenEvent] = {}
@@ -280,6 +340,9 @@ class SchedulerService:
         if raw_record is None:
             log.warning("request_without_record request_id=%s", request_id)
             self._queue("srem", keys.ACTIVE_REQUESTS_SET, request_id)
+            ttl = self.settings.request_ttl_seconds  # whatever is left of it goes in time
+            self._queue("expire", keys.request_key(request_id), ttl)
+            self._queue("expire", keys.token_stream(request_id), ttl)
             return
         try:
             record = decode(RequestRecord, raw_record)
@@ -302,8 +365,7 @@ class SchedulerService:
                  len(record.prompt_token_ids), len(output_token_ids))
         if state.is_active and record.sampling.stop and find_stop(output.detokenizer.text, record.sampling.stop) != -1:
             self.policy.finish(request_id, "stop", without_token=True)  # output already holds a stop string
-        if request_id in self._early_cancels:
-            self._early_cancels.discard(request_id)
+        if cancelled:
             self._cancel(request_id)
 
     # Workers
@@ -328,9 +390,7 @@ class SchedulerService:
             if value is None:
                 if worker_id in self.policy.worker_ids:
                     log.warning("worker_dead worker_id=%s", worker_id)
-                    self.policy.worker_down(worker_id)
-                self._worker_started_at.pop(worker_id, None)
-                self._queue("srem", keys.WORKERS_SET, worker_id)
+                self._forget_worker(worker_id)
                 continue
             try:
                 info = decode(WorkerInfo, value)
@@ -350,8 +410,16 @@ class SchedulerService:
         for worker_id in self.policy.worker_ids:
             if worker_id not in seen:
                 log.warning("worker_gone worker_id=%s", worker_id)
-                self.policy.worker_down(worker_id)
-                self._worker_started_at.pop(worker_id, None)
+                self._forget_worker(worker_id)
+
+    def _forget_worker(self, worker_id: str) -> None:
+        """A dead or departed worker: its requests wait again (to be rebuilt elsewhere), and its
+        registration and plan stream go (a worker that comes back under the same id re-registers,
+        and its first plan tells it to drop whatever KV it still holds)."""
+        self.policy.worker_down(worker_id)
+        self._worker_started_at.pop(worker_id, None)
+        self._queue("srem", keys.WORKERS_SET, worker_id)
+        self._queue("delete", keys.plan_stream(worker_id))
 
     def _abandon_stalled_plans(self) -> None:
         """A plan or its result lost (e.g. Redis restarted without it): the worker would wait forever."""
@@ -389,6 +457,7 @@ class SchedulerService:
 
     def _handle_entries(self, entries: Iterable) -> None:
         by_stream = {_text(stream): items for stream, items in entries or ()}
+        self._read_since_trim += sum(len(items) for items in by_stream.values())
         for entry_id, fields in by_stream.get(keys.NEW_REQUESTS_STREAM, ()):
             self._stream_ids[keys.NEW_REQUESTS_STREAM] = _text(entry_id)
             request_id = keys.valid_request_id(fields.get(b"id"))
@@ -416,9 +485,7 @@ class SchedulerService:
         self._release_held(request_id)
         state = self.policy.cancel(request_id)
         if state is None:
-            if request_id not in self._recently_finished:
-                self._early_cancels.add(request_id)  # its new-request entry may still be unread
-            return
+            return  # ended already, or not loaded yet: loading it reads its cancel flag
         completion_tokens = len(state.output_token_ids)
         self._xadd_event(request_id, TokenEvent(
             index=completion_tokens, token_id=-1, text="", finish_reason="cancelled",
@@ -437,9 +504,10 @@ class SchedulerService:
             return
         self.iterations += len(records)
         self.last_iteration_at = time.time()
-        for record in records:
-            self._queue("xadd", keys.ITERATIONS_STREAM, {"m": encode(record)},
-                        maxlen=ITERATIONS_STREAM_MAXLEN, approximate=True)
+        if self.settings.iteration_records:
+            for record in records:
+                self._queue("xadd", keys.ITERATIONS_STREAM, {"m": encode(record)},
+                            maxlen=self.settings.iteration_records, approximate=False)
 
     # Output
 
@@ -521,11 +589,13 @@ class SchedulerService:
         held.worker_id = worker_id  # moved (rebuilt elsewhere): its earlier writes wait with it
 
     def _write(self, request_id: str, command: str, *args: Any, **kwargs: Any) -> None:
+        """A write to one request's keys (held while its request-level batch runs)."""
+        write = Write(command, args, kwargs, request_id)
         held = self._held.get(request_id)
         if held is None:
-            self._queue(command, *args, **kwargs)
+            self._writes.append(write)
         else:
-            held.writes.append((command, args, kwargs))
+            held.writes.append(write)
 
     def _release_held(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
@@ -554,40 +624,80 @@ class SchedulerService:
             waiting=self.policy.waiting_count, running=self.policy.running_count,
             waiting_tokens=self.policy.waiting_tokens,
         )
-        self._writes.insert(0, ("set", (keys.SCHEDULER_HEARTBEAT, encode(info)),
-                                {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
+        self._writes.insert(0, Write("set", (keys.SCHEDULER_HEARTBEAT, encode(info)),
+                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
+
+    def _queue_trims(self) -> None:
+        """Trim each input stream up to what this scheduler has read: nobody else reads them."""
+        for stream, read_up_to in self._stream_ids.items():
+            if read_up_to != self._trimmed_ids[stream]:
+                self._queue("xtrim", stream, minid=read_up_to, approximate=False)  # keeps that last entry: a restart starts after it
+                self._trimmed_ids[stream] = read_up_to
+        self._read_since_trim = 0
 
     # Redis round trips
 
     def _queue(self, command: str, *args: Any, **kwargs: Any) -> None:
-        self._writes.append((command, args, kwargs))
+        self._writes.append(Write(command, args, kwargs))
 
     async def _round_trip(self, block_ms: int | None, read: bool = True) -> list:
-        """Every queued write, then one XREAD of the three input streams, in one pipeline.
+        """Every queued write as one MULTI/EXEC, then one XREAD of the three input streams, in one
+        pipeline (one network round trip).
 
-        Writes are dropped from the queue only once Redis has answered them, so a round trip
-        lost to a connection error is sent again by the next one.
+        Writes leave the queue only once Redis has run them. A round trip lost to a connection
+        error, or refused whole by Redis (EXECABORT: out of memory, a read-only replica, failing
+        persistence refuse a transaction before any of it runs), is sent again by the next one, so
+        no write is skipped and none reordered: a token stream never has a gap. A write that fails
+        inside the transaction fails for its key (e.g. a key of the wrong type): a duplicate token
+        entry is expected and skipped; any other error fails that request, or, on a shared key,
+        stops the scheduler.
         """
         writes = list(self._writes)
         pipe = self.redis.pipeline(transaction=False)
-        for command, args, kwargs in writes:
-            getattr(pipe, command)(*args, **kwargs)
+        if writes:
+            pipe.execute_command("MULTI")
+            for write in writes:
+                getattr(pipe, write.command)(*write.args, **write.kwargs)
+            pipe.execute_command("EXEC")
         if read:
             pipe.xread(dict(self._stream_ids), count=READ_COUNT, block=block_ms)
         wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
         replies = await bounded(pipe.execute(raise_on_error=False), wait_seconds)
-        del self._writes[: len(writes)]
-        for (command, args, _), reply in zip(writes, replies, strict=False):
-            if isinstance(reply, ResponseError):
-                if command == "xadd" and "equal or smaller" in str(reply):
-                    continue  # this token entry was written before: nothing to redo
-                log.error("redis_write_failed command=%s key=%s error=%s", command, args[0] if args else "", reply)
+        if writes:
+            outcomes = replies[len(writes) + 1]
+            if isinstance(outcomes, Exception):
+                first = next((reply for reply in replies[: len(writes) + 1] if isinstance(reply, Exception)), outcomes)
+                if not refused_up_front(first):
+                    raise first  # a command Redis cannot parse: a bug
+                raise RedisWritesRefused(f"{len(writes)} writes refused: {first}")
+            del self._writes[: len(writes)]
+            for write, outcome in zip(writes, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    self._write_failed(write, outcome)
         if not read:
             return []
         entries = replies[-1]
         if isinstance(entries, Exception):
             raise entries
         return entries or []
+
+    def _write_failed(self, write: Write, error: Exception) -> None:
+        if write.command == "xadd" and write.request_id and "equal or smaller" in str(error):
+            return  # this token entry was written before (a round trip sent again): nothing to redo
+        key = write.args[0] if write.args else ""
+        log.error("redis_write_failed command=%s key=%s request_id=%s error=%s", write.command, key,
+                  write.request_id, error)
+        if write.request_id is None:
+            raise SchedulerStateError(f"{write.command} {key!r} failed in Redis: {error}")
+        if write.request_id in self._write_failures:
+            return  # its end was written (or failed) once already
+        self._write_failures.add(write.request_id)
+        # Its output can no longer be written whole: end it as failed, which its client is told
+        # (the status in its hash, or, if that key is broken too, its key's absence, ends the follower).
+        state = self.policy.finish(write.request_id, "error")
+        if state is not None:
+            self._held.pop(write.request_id, None)
+            self._write_end(write.request_id, "error", len(state.output_token_ids))
 
 
 async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = None) -> None:

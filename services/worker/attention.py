@@ -125,7 +125,8 @@ def build_batch(mode: AttentionMode, requests: list[StepRequest], slot_mapping: 
 def _workspace_group(decodes: list[StepRequest], keys: torch.Tensor, values: torch.Tensor, rows: list[int],
                      slot_mapping: list[int], device: torch.device) -> WorkspaceGroup:
     by_row = sorted(zip(rows, decodes, strict=True), key=lambda pair: pair[0])
-    assert [row for row, _ in by_row] == list(range(len(rows))), "workspace rows must be exactly 0 .. R-1"
+    if [row for row, _ in by_row] != list(range(len(rows))):
+        raise ValueError(f"workspace rows must be exactly 0 .. {len(rows) - 1}, got {sorted(rows)}")
     starts = torch.tensor([request.start_position for _, request in by_row], dtype=torch.long)
     max_context = int(starts.max()) + 1
     return WorkspaceGroup(

@@ -15,7 +15,7 @@ import torch
 from services.worker.attention import AttentionMode, StepRequest, build_batch
 from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import KVCacheFull, PagedKVCache
-from services.worker.model import TINY_CONFIG, Llama, tiny_random_weights
+from services.worker.model import Llama
 from services.worker.sampling import sample_tokens
 from services.worker.weights import load_weights
 from shared.config import Settings
@@ -56,10 +56,14 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
+def default(setting: str):
+    return Settings.model_fields[setting].default
+
+
 class Engine:
     def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched",
-                 decode_workspace_tokens: int = Settings().decode_workspace_tokens,
-                 max_batch_size: int = Settings().max_batch_size):
+                 decode_workspace_tokens: int = default("decode_workspace_tokens"),
+                 max_batch_size: int = default("max_batch_size")):
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.config: ModelConfig = model.config
         self._sampling: dict[str, SamplingParams] = {}
@@ -74,25 +78,14 @@ class Engine:
         device = pick_device(settings.device)
         dtype = pick_dtype(settings.dtype, device)
         model = Llama(metadata.config, load_weights(metadata), device, dtype)
-        engine = cls(model, cls._kv_cache_for(metadata.config, settings, device, dtype), settings.attention,
+        engine = cls(model, cls.kv_cache_for(metadata.config, settings, device, dtype), settings.attention,
                      settings.decode_workspace_tokens, settings.max_batch_size)
         log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d seconds=%.2f",
                  metadata.name, device, dtype, settings.kv_blocks, time.perf_counter() - started)
         return engine
 
-    @classmethod
-    def tiny(cls, kv_blocks: int = 64, kv_block_size: int = 4, attention: AttentionMode = "batched", seed: int = 0,
-             config: ModelConfig = TINY_CONFIG,
-             decode_workspace_tokens: int = Settings().decode_workspace_tokens) -> "Engine":
-        """A seeded random model for fast unit tests."""
-        device = torch.device("cpu")
-        model = Llama(config, tiny_random_weights(config, seed), device, torch.float32)
-        settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size)
-        return cls(model, cls._kv_cache_for(config, settings, device, torch.float32), attention,
-                   decode_workspace_tokens)
-
     @staticmethod
-    def _kv_cache_for(config: ModelConfig, settings: Settings, device: torch.device, dtype: torch.dtype) -> PagedKVCache:
+    def kv_cache_for(config: ModelConfig, settings: Settings, device: torch.device, dtype: torch.dtype) -> PagedKVCache:
         blocks = settings.kv_blocks
         if settings.kv_memory_fraction > 0:
             bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
@@ -105,9 +98,6 @@ class Engine:
 
     def add_request(self, request_id: str, sampling: SamplingParams) -> None:
         self._sampling[request_id] = sampling
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._sampling
 
     def free(self, request_id: str) -> None:
         """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
@@ -166,7 +156,13 @@ class Engine:
         started = time.perf_counter()
         outcome = StepOutcome()
         runnable: list[StepItem] = []
+        seen: set[str] = set()
         for item in items:
+            if item.request_id in seen:
+                outcome.errors.append(ItemError(request_id=item.request_id, code="bad_item",
+                                                message="a request may have one item per step"))
+                continue
+            seen.add(item.request_id)
             if item.feeds_sampled and item.request_id in self._sampling:
                 item = self._resolve(item)
                 if isinstance(item, ItemError):

@@ -34,12 +34,6 @@ class PagedKVCache:
     def length(self, request_id: str) -> int:
         return self._lengths.get(request_id, 0)
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._block_tables
-
-    def request_ids(self) -> list[str]:
-        return list(self._block_tables)
-
     def blocks_needed(self, request_id: str, total_tokens: int) -> int:
         held = len(self._block_tables.get(request_id, ()))
         return max(0, -(-total_tokens // self.block_size) - held)

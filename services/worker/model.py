@@ -112,36 +112,3 @@ class Llama:
             x = x + linear(F.silu(gate) * up, layer.down)
         last = rms_norm(x[logit_rows], self.final_norm, config.rms_norm_eps)
         return linear(last, self.lm_head).float()
-
-
-TINY_CONFIG = ModelConfig(
-    n_layers=2, hidden_size=64, ffn_size=128, n_heads=4, n_kv_heads=2, head_dim=16,
-    rope_theta=10000.0, rms_norm_eps=1e-5, vocab_size=256, context_length=512,
-)
-
-
-def tiny_random_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights in the GGUF's names: a fast model for unit tests."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * 0.2
-
-    q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    weights = {
-        "token_embd.weight": randn(config.vocab_size, config.hidden_size),
-        "output_norm.weight": 1 + randn(config.hidden_size) * 0.1,
-    }
-    for i in range(config.n_layers):
-        weights |= {
-            f"blk.{i}.attn_norm.weight": 1 + randn(config.hidden_size) * 0.1,
-            f"blk.{i}.attn_q.weight": randn(q_rows, config.hidden_size),
-            f"blk.{i}.attn_k.weight": randn(kv_rows, config.hidden_size),
-            f"blk.{i}.attn_v.weight": randn(kv_rows, config.hidden_size),
-            f"blk.{i}.attn_output.weight": randn(config.hidden_size, q_rows),
-            f"blk.{i}.ffn_norm.weight": 1 + randn(config.hidden_size) * 0.1,
-            f"blk.{i}.ffn_gate.weight": randn(config.ffn_size, config.hidden_size),
-            f"blk.{i}.ffn_up.weight": randn(config.ffn_size, config.hidden_size),
-            f"blk.{i}.ffn_down.weight": randn(config.hidden_size, config.ffn_size),
-        }
-    return weights

@@ -8,6 +8,8 @@ SIGTERM drains: the heartbeat says `draining` (the scheduler admits nothing new 
 the running requests over to another worker, or lets them finish when there is none); the
 worker goes on running plans until it holds no request or `drain_seconds` have passed, then
 deregisters and exits. Whatever it still held is re-queued by the scheduler when it is gone.
+An engine that can no longer compute (any exception from a step but out-of-memory, which may
+pass) makes the worker deregister and exit non-zero the same way (EngineBroken).
 No Redis command is ever cancelled (see shared/redis_connection.py): loops stop on flags.
 """
 
@@ -20,6 +22,7 @@ import time
 import uuid
 
 import torch
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from services.worker.engine import Engine
 from shared import keys
@@ -33,8 +36,24 @@ log = logging.getLogger("iterserve.worker")
 PLAN_BLOCK_MS = 250  # one wait for a plan: also how soon an idle worker notices a SIGTERM
 DRAIN_BLOCK_MS = 100  # while draining: look at the exit conditions this often
 EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregister
-PLANS_KEPT = 1000
-RESULTS_KEPT = 10000
+# A guard only: the scheduler trims the results stream to what it has read. Results it has not
+# read after this many are of no use (a scheduler that was down this long starts a new epoch).
+RESULTS_KEPT = 1000
+# Out of memory in a step fails that plan's items (the scheduler retries them, maybe in smaller
+# batches); this many in a row mean the device is in no state to compute: the worker leaves.
+MAX_CONSECUTIVE_OOM = 3
+ENGINE_BROKEN_EXIT_CODE = 3
+
+
+class EngineBroken(Exception):
+    """The engine can no longer compute (a device-side assert, a poisoned CUDA context, repeated
+    out-of-memory, or any exception from a step that is not an item's fault): the worker leaves,
+    so its requests move to other workers as if it had been killed."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
 
 
 class Worker:
@@ -46,6 +65,7 @@ class Worker:
         self.draining = False
         self.device = str(engine.model.device)
         self._heartbeat_stop = asyncio.Event()
+        self._consecutive_oom = 0
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_cache
@@ -82,6 +102,9 @@ class Worker:
                 log.info("event=new_scheduler_epoch worker=%s dropping=%d", self.worker_id, self.engine.running)
             self.engine.reset()  # the new scheduler rebuilds every request from its tokens
             self.scheduler_epoch = plan.scheduler_epoch
+        elif plan.free_all:
+            log.info("event=free_all worker=%s dropping=%d", self.worker_id, self.engine.running)
+            self.engine.reset()
         for request_id in plan.free_request_ids:
             self.engine.free(request_id)
         for new in plan.new_requests:
@@ -128,7 +151,7 @@ class Worker:
                 for _, entries in replies:
                     for entry_id, fields in entries:
                         last_id = entry_id
-                        await self.handle(fields)
+                        await self.handle(fields, stream, entry_id)
         finally:
             self.draining = True
             self._heartbeat_stop.set()
@@ -161,7 +184,9 @@ class Worker:
             log.warning("event=deregister_failed worker=%s error=%r", self.worker_id,
                         task.exception() if task in done else "timeout")
 
-    async def handle(self, fields: dict) -> None:
+    async def handle(self, fields: dict, stream: str, entry_id: bytes) -> None:
+        """Run one plan and publish its result, trimming the plan stream up to it (nobody else
+        reads it). Raises EngineBroken when the engine can no longer compute."""
         try:
             plan = decode(BatchPlan, fields.get(b"m", b""))
         except WireError as error:
@@ -172,29 +197,40 @@ class Worker:
             return
         try:
             result = await asyncio.to_thread(self.execute, plan)
-        except Exception as failure:  # a plan the engine cannot run must not take the worker down
-            log.exception("event=plan_failed worker=%s plan=%d", self.worker_id, plan.plan_id)
-            result = self.failed(plan, f"the worker could not run this plan: {type(failure).__name__}")
+            self._consecutive_oom = 0
+        except Exception as failure:
+            # Every item's own problem is a typed ItemError inside the result; an exception is the
+            # engine's. Out of memory may pass (smaller batches); anything else will not.
+            if not is_out_of_memory(failure):
+                raise EngineBroken(f"a step raised {type(failure).__name__}: {failure}") from failure
+            self._consecutive_oom += 1
+            log.warning("event=out_of_memory worker=%s plan=%d consecutive=%d", self.worker_id, plan.plan_id,
+                        self._consecutive_oom)
+            if self._consecutive_oom >= MAX_CONSECUTIVE_OOM:
+                raise EngineBroken(f"{self._consecutive_oom} steps in a row ran out of memory") from failure
+            result = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
         for error in result.errors:
             log.warning("event=item_error worker=%s request=%s code=%s message=%s", self.worker_id,
                         error.request_id, error.code, error.message)
         while True:
             try:
-                await self.redis.xadd(keys.RESULTS_STREAM, {b"m": encode(result)}, maxlen=RESULTS_KEPT,
-                                      approximate=True)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xadd(keys.RESULTS_STREAM, {b"m": encode(result)}, maxlen=RESULTS_KEPT, approximate=True)
+                    pipe.xtrim(stream, minid=entry_id, approximate=False)
+                    await pipe.execute()
                 return
-            except RECONNECT_ERRORS as error:
+            except (*RECONNECT_ERRORS, OutOfMemoryError, ReadOnlyError) as error:
                 log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
                 await asyncio.sleep(0.5)
 
-    def failed(self, plan: BatchPlan, message: str) -> PlanResult:
-        """Every item of the plan in error: the scheduler rebuilds those requests (or fails them after a few)."""
+    def failed(self, plan: BatchPlan, code: str, message: str) -> PlanResult:
+        """Every item of the plan in error: the scheduler rebuilds those requests elsewhere or later."""
         for item in plan.items:
             self.engine.free(item.request_id)  # the step may have stopped half-way through its KV
         kv = self.engine.kv_cache
         return PlanResult(
             scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=self.worker_id,
-            errors=tuple(ItemError(request_id=request_id, code="bad_item", message=message)
+            errors=tuple(ItemError(request_id=request_id, code=code, message=message)
                          for request_id in dict.fromkeys(item.request_id for item in plan.items)),
             kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=0.0,
         )
@@ -208,5 +244,11 @@ async def run_worker(settings: Settings, stop_event: asyncio.Event | None = None
     torch.set_num_threads(settings.threads or threads_per_worker(settings.workers))
     engine = await asyncio.to_thread(Engine.from_settings, settings)
     worker = Worker(settings, engine, settings.worker_id or new_worker_id())
-    await worker.serve(stop_event or asyncio.Event())
+    try:
+        await worker.serve(stop_event or asyncio.Event())
+    except EngineBroken as broken:
+        # serve() has deregistered (its heartbeat key is gone): the scheduler moves its requests
+        # at its next look, as for a killed worker. Exit non-zero so a supervisor restarts it.
+        log.error("event=engine_broken worker=%s error=%s cause=%r", worker.worker_id, broken, broken.__cause__)
+        raise SystemExit(ENGINE_BROKEN_EXIT_CODE) from None
     log.info("event=worker_stopped worker=%s", worker.worker_id)

@@ -1,0 +1,34 @@
+"""A worker whose engine breaks after some steps: a test-only stand-in for a device that stops
+computing (a CUDA device-side assert, a poisoned context). Nothing in services/ knows about it.
+
+    ITERSERVE_TEST_BREAK_AFTER_STEPS=12 python -m tests.faulty_worker worker
+
+runs `iterserve worker` with the model's forward pass raising from its 13th call on.
+"""
+
+import os
+import sys
+
+from services.cli import main
+from services.worker.model import Llama
+
+INJECTED = "CUDA error: device-side assert triggered (injected by tests/faulty_worker.py)"
+
+
+def break_after(steps: int) -> None:
+    forward = Llama.forward
+    calls = 0
+
+    def breaking_forward(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls > steps:
+            raise RuntimeError(INJECTED)
+        return forward(self, *args, **kwargs)
+
+    Llama.forward = breaking_forward
+
+
+if __name__ == "__main__":
+    break_after(int(os.environ["ITERSERVE_TEST_BREAK_AFTER_STEPS"]))
+    main(sys.argv[1:])
