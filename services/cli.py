@@ -37,6 +37,8 @@ SERVICE_OPTIONS = {
     "--device": ("device", str, "auto, cpu, cuda, cuda:1 ... (default auto)"),
     "--dtype": ("dtype", str, "auto, float32, bfloat16, float16 (default: bf16 on CUDA, f32 on CPU)"),
     "--attention": ("attention", str, "batched or per_request (Orca's reference path)"),
+    "--compile": ("compile", bool, "torch.compile the flattened non-attention ops of each step"),
+    "--cuda-graphs": ("cuda_graphs", bool, "CUDA: replay decode-only steps from CUDA graphs (bucketed sizes)"),
     "--decode-workspace-tokens": ("decode_workspace_tokens", int,
                                   "contiguous decode KV kept across steps, in tokens (default 65536; 0: off)"),
     "--worker-id": ("worker_id", str, "this worker's id (default: drawn at start)"),

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from shared.model_file import DEFAULT_MODEL  # re-exported: the settings' default
 
 
 def threads_per_worker(workers: int) -> int:
@@ -44,6 +44,11 @@ class Settings(BaseModel):
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, f32 on cpu
     attention: Literal["batched", "per_request"] = "batched"
+    # torch.compile the non-attention ops of a step (the token count dynamic): fewer, fused ops; the
+    # first steps of each new shape class take seconds to compile.
+    compile: bool = False
+    # CUDA only: decode-only steps padded to bucketed sizes and replayed from captured CUDA graphs.
+    cuda_graphs: bool = False
     # Batched attention keeps decoding requests' KV in contiguous rows across steps (no gather
     # per step); at most this many tokens (rows x context; 46 KB each for SmolLM2 in float32).
     # 0: gather from the paged pool at every step.

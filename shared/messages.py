@@ -23,6 +23,14 @@ class SamplingParams(Frozen):
     temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, lt=2**31)  # 0 means no top-k cut
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # drop tokens below min_p x the top probability
+    # OpenAI's penalties on the output so far: logit -= frequency x count + presence x (count > 0).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # HF/vLLM's, on tokens of the prompt or the output: logit / r when > 0, logit x r otherwise.
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # -1: no logprobs; n >= 0: the chosen token's log-probability and the n most likely tokens'.
+    logprobs: int = Field(-1, ge=-1, le=20)
     # Always set (the gateway draws one when the client gives none): the randomness of
     # output token k is a function of (seed, k) only, so a request samples the same
     # tokens whatever its batch, its worker, or a rebuild of its KV.
@@ -43,6 +51,9 @@ class RequestRecord(Frozen):
     client_key: str = ""  # which API key sent it (fairness); empty when the server is open
 
 
+Logprob = tuple[int, float]  # (token id, log-probability)
+
+
 class TokenEvent(Frozen):
     """One entry of a request's output stream (scheduler -> gateway)."""
 
@@ -52,6 +63,8 @@ class TokenEvent(Frozen):
     finish_reason: FinishReason | None = None  # set on the request's last entry
     prompt_tokens: int = 0  # on the last entry, for usage
     completion_tokens: int = 0  # on the last entry, for usage
+    logprob: float | None = None  # the token's log-probability, when the request asked for logprobs
+    top_logprobs: tuple[Logprob, ...] = ()  # the most likely tokens at this position, most likely first
 
 
 class NewRequest(Frozen):
@@ -98,6 +111,8 @@ class SampledToken(Frozen):
     request_id: str
     token_id: int
     output_index: int
+    logprob: float | None = None  # when its request asked for logprobs (from the raw logits)
+    top_logprobs: tuple[Logprob, ...] = ()
 
 
 class ItemError(Frozen):

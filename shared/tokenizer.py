@@ -23,8 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from shared.config import DEFAULT_MODEL
-from shared.model_file import ModelMetadata, TokenizerData, load_metadata
+from shared.model_file import DEFAULT_MODEL, ModelMetadata, TokenizerData, load_metadata
 
 TOKENIZER_FILE = "tokenizer.json"
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token type for control tokens like <|im_end|>

@@ -69,10 +69,11 @@ def tiny_random_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dic
 
 
 def tiny_engine(kv_blocks: int = 64, kv_block_size: int = 4, attention: AttentionMode = "batched", seed: int = 0,
-                config: ModelConfig = TINY_CONFIG, decode_workspace_tokens: int = 65536) -> Engine:
+                config: ModelConfig = TINY_CONFIG, decode_workspace_tokens: int = 65536, static_decode: bool = False,
+                compile: bool = False, max_batch_size: int = 64) -> Engine:
     """An engine over a seeded random tiny model, on the CPU in float32."""
     device = torch.device("cpu")
-    model = Llama(config, tiny_random_weights(config, seed), device, torch.float32)
-    settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size)
-    return Engine(model, Engine.kv_cache_for(config, settings, device, torch.float32), attention,
-                  decode_workspace_tokens)
+    model = Llama(config, tiny_random_weights(config, seed), device, torch.float32, compile=compile)
+    settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size, max_batch_size=max_batch_size)
+    kv_cache = Engine.kv_cache_for(config, settings, device, torch.float32, scratch_block=static_decode)
+    return Engine(model, kv_cache, attention, decode_workspace_tokens, max_batch_size, static_decode=static_decode)

@@ -2,13 +2,14 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from services.worker.engine import Engine
 from services.worker.kv_cache import KVCacheFull
 from shared.config import Settings
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, StepItem
 from shared.tokenizer import Tokenizer
 from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_item, tiny_engine
 from tests.requirements import import_or_skip
@@ -221,6 +222,71 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
     assert longest > 150, "some request should have outgrown the workspace's first capacity"
 
 
+def test_static_decode_steps_padded_to_buckets_equal_the_per_request_path():
+    """Decode-only steps in fixed shapes (what CUDA graphs replay): batches padded to the next
+    bucket, contexts cut to a bucket, padding rows writing to the scratch block. Every real row's
+    logits equal the per-request path's, over batch sizes and contexts that cross buckets, and no
+    padding row touches a request's KV."""
+    reference = tiny_engine(kv_blocks=512, kv_block_size=4, attention="per_request")
+    static = tiny_engine(kv_blocks=512, kv_block_size=4, decode_workspace_tokens=0, static_decode=True)
+    rng = random.Random(11)
+    tokens: dict[str, list[int]] = {}
+    for index in range(13):
+        prompt = [rng.randrange(256) for _ in range(rng.choice((3, 30, 70)))]
+        for engine in (reference, static):
+            engine.add_request(f"r{index}", GREEDY)
+        first = reference.step([prefill_item(f"r{index}", prompt)]).tokens[f"r{index}"]
+        static.step([prefill_item(f"r{index}", prompt)])
+        tokens[f"r{index}"] = prompt + [first]
+    graphs = static.graphs
+    shapes = set()
+    for step_index in range(40):
+        chosen = rng.sample(sorted(tokens), rng.choice((1, 3, 5, 9, 13)))  # 1, 3 -> 4, 5 -> 8, 9 -> 12, 13 -> 16
+        items = [decode_item(request_id, tokens[request_id][-1], len(tokens[request_id]) - 1, 1)
+                 for request_id in chosen]
+        expected = reference.step(items, return_logits=True)
+        actual = static.step(items, return_logits=True)
+        assert not expected.errors and not actual.errors
+        for request_id in chosen:
+            torch.testing.assert_close(actual.logits[request_id], expected.logits[request_id], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"step {step_index}, {request_id}: {m}")
+            tokens[request_id].append(expected.tokens[request_id])
+        shapes.add((len(chosen), max(len(tokens[request_id]) for request_id in chosen) > 64))
+    assert {size for size, _ in shapes} >= {1, 3, 5, 9, 13} and {long for _, long in shapes} == {False, True}, shapes
+    assert graphs is not None and graphs.batch_buckets[:5] == (1, 2, 4, 8, 12)
+    assert graphs.steps == 40, "every decode-only step ran in fixed shapes"
+
+
+@pytest.mark.slow  # compiling takes about 30 s on 2 cores
+def test_compiled_steps_equal_eager_steps():
+    """--compile: the flattened non-attention ops through torch.compile (dynamic token counts),
+    over prefill, decode and mixed steps of several sizes, give the eager logits and tokens."""
+    eager = tiny_engine(kv_blocks=256)
+    compiled = tiny_engine(kv_blocks=256, compile=True)
+    rng = random.Random(5)
+    prompts = {str(index): [rng.randrange(256) for _ in range(length)]
+               for index, length in enumerate((5, 17, 33, 80, 120))}
+    for engine in (eager, compiled):
+        for request_id in prompts:
+            engine.add_request(request_id, GREEDY)
+    live = {}  # request id -> its tokens so far (prompt + output)
+    items = [prefill_item(request_id, prompts[request_id]) for request_id in ("0", "1", "2", "3")]
+    for step_index in range(6):
+        expected = eager.step(items, return_logits=True)
+        actual = compiled.step(items, return_logits=True)
+        for request_id, logits in expected.logits.items():
+            torch.testing.assert_close(actual.logits[request_id], logits, atol=1e-4, rtol=1e-4)
+        assert actual.tokens == expected.tokens
+        for item in items:
+            fed = live.get(item.request_id, [])[: item.start_position] + list(item.token_ids)
+            live[item.request_id] = fed + [expected.tokens[item.request_id]]
+        items = [decode_item(request_id, tokens[-1], len(tokens) - 1, len(tokens) - len(prompts[request_id]))
+                 for request_id, tokens in live.items()]
+        if step_index == 2:  # a mixed step: a long prefill beside the decodes
+            items.append(prefill_item("4", prompts["4"]))
+    assert compiled.model.compiled
+
+
 def test_the_per_request_path_leaves_the_decode_workspace_alone():
     engine = tiny_engine(attention="batched")
     engine.attention = "per_request"  # switched at run time, as the engine benchmark does
@@ -282,7 +348,7 @@ def test_a_request_that_would_overflow_the_pool_gets_a_typed_error_and_others_st
     assert "small" in step.tokens and "huge" not in step.tokens
     assert engine.kv_cache.blocks_free == 7  # the failed item reserved nothing
     with pytest.raises(KVCacheFull) as raised:
-        engine.kv_cache.grow("huge", 40)
+        engine.kv_cache.grow(engine.row("huge"), 40, "huge")
     assert raised.value.blocks_needed == 10 and raised.value.blocks_free == 7
     follow_up = engine.step([decode_item("small", step.tokens["small"], 3, 1)])
     assert "small" in follow_up.tokens
@@ -294,7 +360,7 @@ def test_inconsistent_items_are_refused_without_touching_the_kv():
     step = engine.step([prefill_item("a", [1, 2, 3])])
     bad = engine.step([decode_item("a", 5, 7, 1), decode_item("ghost", 5, 0, 0), prefill_item("a", [999], start=3)])
     assert [e.code for e in bad.errors] == ["bad_item", "unknown_request", "bad_item"]
-    assert engine.kv_cache.length("a") == 3
+    assert engine.kv_length("a") == 3
     assert "a" in engine.step([decode_item("a", step.tokens["a"], 3, 1)]).tokens
 
 
@@ -349,6 +415,62 @@ def seeded_sampling_is_invariant(engine: Engine, prompt: list[int], count: int) 
         rebuilt.append(step.tokens["rebuilt"])
     engine.free("rebuilt")
     assert rebuilt == alone
+
+
+def test_penalties_see_the_prompt_and_the_output_so_far_also_after_a_rebuild():
+    """Greedy with penalties: each token is the argmax of the raw logits penalized by a plain
+    reference (repetition over prompt + output, presence and frequency over the output), through
+    decode steps, a pipelined feed and a rebuild of the KV from prompt + output."""
+    engine = tiny_engine()
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.6, frequency_penalty=0.4, max_tokens=64)
+    engine.add_request("p", params)
+    prompt = [7, 7, 8, 9, 7, 10]
+    output: list[int] = []
+
+    def expected(logits: torch.Tensor) -> int:
+        penalized = logits.clone()
+        for token in set(prompt + output):
+            penalized[token] = penalized[token] / 1.3 if penalized[token] > 0 else penalized[token] * 1.3
+        for token in set(output):
+            penalized[token] -= 0.6 + 0.4 * output.count(token)
+        return int(penalized.argmax())
+
+    def history_is_exact(output_index: int) -> bool:  # what the sampler is handed for this row
+        history = engine._penalty_history(np.array([engine.row("p")]), np.array([output_index]), torch.device("cpu"))
+        prompt_seen = [token for token in history.prompt_ids[0].tolist() if token >= 0]
+        output_seen = [token for token in history.output_ids[0].tolist() if token >= 0]
+        return (prompt_seen, output_seen) == (prompt, output[:output_index])
+
+    step = engine.step([prefill_item("p", prompt)], return_logits=True)
+    for index in range(1, 12):
+        assert step.tokens["p"] == expected(step.logits["p"]), f"output {index - 1}"
+        assert history_is_exact(index - 1), f"the penalties saw a wrong history at output {index - 1}"
+        output.append(step.tokens["p"])
+        if index == 6:  # its KV rebuilt: prompt + output prefilled again from position 0
+            step = engine.step([prefill_item("p", prompt + output, output_index=index)], return_logits=True)
+        elif index % 2:
+            step = engine.step([decode_item("p", output[-1], len(prompt) + len(output) - 1, index)], return_logits=True)
+        else:  # pipelined: the token sampled before is fed from the engine's own copy
+            item = StepItem(request_id="p", token_ids=(), feeds_sampled=True,
+                            start_position=len(prompt) + len(output) - 1, sample=True, output_index=index)
+            step = engine.step([item], return_logits=True)
+    assert len(set(output)) > 6, f"the penalties did not push the output around: {output}"
+
+
+def test_logprobs_are_log_softmax_of_the_logits_and_chosen_only_when_asked():
+    engine = tiny_engine()
+    engine.add_request("three", SamplingParams(logprobs=3, max_tokens=8))
+    engine.add_request("chosen", SamplingParams(logprobs=0, max_tokens=8, temperature=0.7, seed=3))
+    engine.add_request("none", SamplingParams(max_tokens=8))
+    step = engine.step([prefill_item(name, [5, 6, 7, index]) for index, name in enumerate(("three", "chosen", "none"))],
+                       return_logits=True)
+    for name, wanted in (("three", 3), ("chosen", 0)):
+        expected = torch.log_softmax(step.logits[name], dim=0)
+        logprobs = step.logprobs[name]
+        assert abs(logprobs.logprob - float(expected[step.tokens[name]])) < 1e-5
+        assert [token for token, _ in logprobs.top] == expected.topk(wanted).indices.tolist()
+        assert all(abs(value - float(expected[token])) < 1e-5 for token, value in logprobs.top)
+    assert "none" not in step.logprobs
 
 
 def test_greedy_is_temperature_zero_and_top_k_one_is_greedy_too():

@@ -91,9 +91,12 @@ class FakeScheduler:
                 return await self.end(request_id, index, "stop", prompt_tokens)
             text += piece
             last = index == record.sampling.max_tokens - 1
+            wanted = record.sampling.logprobs
             event = TokenEvent(
                 index=index, token_id=100 + index, text=piece, finish_reason="length" if last else None,
                 prompt_tokens=prompt_tokens if last else 0, completion_tokens=index + 1 if last else 0,
+                logprob=fake_logprob(index) if wanted >= 0 else None,
+                top_logprobs=fake_top_logprobs(index)[:wanted] if wanted > 0 else (),
             )  # fmt: skip
             await self.redis.xadd(keys.token_stream(request_id), {"m": encode(event)})
             if last:
@@ -112,6 +115,14 @@ class FakeScheduler:
     async def close(self, request_id: str, status: str, reason: str) -> None:
         await self.redis.hset(keys.request_key(request_id), mapping={"status": status, "finish_reason": reason})
         await self.redis.srem(keys.ACTIVE_REQUESTS_SET, request_id)
+
+
+def fake_logprob(index: int) -> float:
+    return -0.25 - index / 8
+
+
+def fake_top_logprobs(index: int) -> tuple[tuple[int, float], ...]:
+    return ((100 + index, fake_logprob(index)), (17, -3.0), (18, -4.0), (19, -5.0))
 
 
 @asynccontextmanager
@@ -223,7 +234,16 @@ BAD_REQUESTS = [
     ("empty stop string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
     ("seed string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "seed": "1"}, 400, "seed"),
     ("n=2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "n": 2}, 400, "n"),
-    ("presence_penalty", "POST", COMPLETIONS, {**GOOD_COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("presence_penalty above 2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "presence_penalty": 2.5}, 400,
+     "presence_penalty"),
+    ("frequency_penalty below -2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "frequency_penalty": -3}, 400,
+     "frequency_penalty"),
+    ("repetition_penalty zero", "POST", COMPLETIONS, {**GOOD_COMPLETION, "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("min_p above one", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_p": 1.5}, 400, "min_p"),
+    ("min_p negative", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_p": -0.1}, 400, "min_p"),
+    ("completions logprobs above 5", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": 6}, 400, "logprobs"),
+    ("completions logprobs bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": True}, 400, "logprobs"),
     ("echo", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": True}, 400, "echo"),
     ("unknown model", "POST", COMPLETIONS, {**GOOD_COMPLETION, "model": "gpt-4"}, 404, "model"),
     ("prompt too long", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "hello " * 9000}, 400, "prompt"),
@@ -238,7 +258,10 @@ BAD_REQUESTS = [
      {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content"),
     ("chat n=2", "POST", CHAT, {**GOOD_CHAT, "n": 2}, 400, "n"),
-    ("chat logprobs", "POST", CHAT, {**GOOD_CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat logprobs not bool", "POST", CHAT, {**GOOD_CHAT, "logprobs": 3}, 400, "logprobs"),
+    ("top_logprobs above 20", "POST", CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat unknown model", "POST", CHAT, {**GOOD_CHAT, "model": "llama"}, 404, "model"),
     ("unknown route", "POST", "/v1/nothing", {}, 404, None),
     ("wrong method", "GET", COMPLETIONS, None, 405, None),
@@ -661,6 +684,41 @@ async def test_a_bug_in_the_gateway_is_a_500_with_an_error_body_and_the_gateway_
     monkeypatch.undo()
     status, body = await post_json(gateway, COMPLETIONS, GOOD_COMPLETION)
     assert status == 200 and body["choices"][0]["text"] == " w0 w1 w2"
+
+
+async def test_logprobs_in_openais_shapes_whole_and_streamed(gateway, scheduler, tokenizer):
+    """Completions: parallel lists (tokens, token_logprobs, top_logprobs, text_offset); chat: a
+    `content` list of {token, logprob, bytes, top_logprobs}; a stream carries each token's with
+    the chunk of its text."""
+    def text(token_id: int) -> str:
+        return tokenizer.token_text(token_id)
+
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "logprobs": 2})
+    assert status == 200, body
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs == {
+        "tokens": [text(100), text(101), text(102)],
+        "token_logprobs": [fake_logprob(0), fake_logprob(1), fake_logprob(2)],
+        "top_logprobs": [{text(100 + i): fake_logprob(i), text(17): -3.0} for i in range(3)],
+        "text_offset": [0, 3, 6],  # " w0", " w1", " w2"
+    }
+    status, body = await post_json(gateway, CHAT, {**GOOD_CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content == [{"token": text(100 + i), "logprob": fake_logprob(i), "bytes": list(tokenizer.token_bytes(100 + i)),
+                        "top_logprobs": [{"token": text(100 + i), "logprob": fake_logprob(i),
+                                          "bytes": list(tokenizer.token_bytes(100 + i))}]} for i in range(2)]
+    status, body = await post_json(gateway, CHAT, {**GOOD_CHAT, "max_tokens": 2, "logprobs": True})
+    assert [entry["top_logprobs"] for entry in body["choices"][0]["logprobs"]["content"]] == [[], []]
+    status, body = await post_json(gateway, CHAT, {**GOOD_CHAT, "max_tokens": 2})
+    assert body["choices"][0]["logprobs"] is None, "no logprobs unless asked"
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "logprobs": 1, "stream": True})
+        payloads = await read_sse(response)
+    chunks = [json.loads(payload) for payload in payloads[:-1]]
+    streamed = [chunk["choices"][0]["logprobs"] for chunk in chunks if chunk["choices"][0]["text"]]
+    assert [entry["token_logprobs"] for entry in streamed] == [[fake_logprob(i)] for i in range(3)]
+    assert [entry["top_logprobs"] for entry in streamed] == [[{text(100 + i): fake_logprob(i)}] for i in range(3)]
 
 
 async def test_models_list(gateway):

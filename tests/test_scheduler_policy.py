@@ -379,6 +379,27 @@ def test_a_worker_given_up_on_that_comes_back_frees_what_it_held():
     assert not policy.next_plan("w1").free_all
 
 
+def test_a_request_whose_workers_keep_dying_fails_instead_of_taking_down_the_next():
+    """A request that breaks every engine it runs on (a poison pill): after MAX_WORKERS_LOST workers
+    died under it, it fails; another request that lived through fewer deaths goes on."""
+    from services.scheduler.policy import MAX_WORKERS_LOST
+
+    policy = make_policy()
+    policy.add_request(record("pill", arrival=0, max_tokens=50))
+    for death in range(MAX_WORKERS_LOST):
+        worker_id = f"w{death}"
+        policy.worker_up(worker_id, kv_blocks_total=100, kv_block_size=4)
+        if death == MAX_WORKERS_LOST - 1:
+            policy.add_request(record("bystander", arrival=1, max_tokens=3))
+        plan = policy.next_plan(worker_id)
+        assert "pill" in [item.request_id for item in plan.items]
+        policy.worker_down(worker_id)
+    assert policy.get("pill") is None, "the request that took three workers down still runs"
+    failed = policy.take_finished_without_token()
+    assert [(state.request_id, state.finish_reason) for state in failed] == [("pill", "error")]
+    assert policy.get("bystander") is not None and policy.get("bystander").status == "waiting"
+
+
 def test_new_requests_are_spread_over_idle_workers_by_free_kv():
     policy = make_policy()
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)

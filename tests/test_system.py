@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from shared import keys
-from shared.messages import IterationRecord
+from shared.messages import IterationRecord, SamplingParams
 from tests.system import System
 
 pytestmark = pytest.mark.slow
@@ -123,6 +123,38 @@ def test_seeded_sampling_depends_on_the_seed_only_and_temperature_zero_is_greedy
     greedy, _ = engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), 16)
     assert sample(1, temperature=0) == sample(2, temperature=0) == greedy
     assert greedy not in by_seed.values(), "sampling at temperature 0.9 gave the greedy text for every seed"
+
+
+def test_logprobs_through_the_system_are_log_softmax_of_the_engines_logits(client, engine_alone, tokenizer):
+    """Both endpoints' logprobs, against the oracle: the same engine alone, its raw logits' log_softmax."""
+    import torch
+
+    from tests.engine_helpers import decode_item, prefill_item
+
+    prompt = "The three primary colours are"
+    ids = tokenizer.encode(prompt)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    logprobs = response.choices[0].logprobs
+    engine_alone.add_request("lp", SamplingParams(max_tokens=6))
+    try:
+        step = engine_alone.step([prefill_item("lp", ids)], return_logits=True)
+        for index in range(6):
+            expected = torch.log_softmax(step.logits["lp"], dim=0)
+            token = step.tokens["lp"]
+            assert logprobs.tokens[index] == tokenizer.token_text(token)
+            assert abs(logprobs.token_logprobs[index] - float(expected[token])) < 1e-3
+            top = expected.topk(3)
+            assert list(logprobs.top_logprobs[index]) == [tokenizer.token_text(t) for t in top.indices.tolist()]
+            assert all(abs(value - float(lp)) < 1e-3 for value, lp in zip(logprobs.top_logprobs[index].values(), top.values))
+            step = engine_alone.step([decode_item("lp", token, len(ids) + index, index + 1)], return_logits=True)
+    finally:
+        engine_alone.free("lp")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-6 for entry in content), "greedy takes the top one"
 
 
 def test_concurrent_requests_all_complete_with_their_own_greedy_answer(client, engine_alone, tokenizer):

@@ -16,7 +16,7 @@ from pathlib import Path
 from services.bench.workloads import BenchRequest, PromptSource, WorkloadConfig, build_requests
 from services.scheduler.policy import SchedulerPolicy
 from shared.config import Settings, threads_per_worker
-from shared.messages import PlanResult, RequestRecord, SampledToken, SamplingParams, StepItem
+from shared.messages import RequestRecord, SamplingParams, StepItem
 from shared.tokenizer import Tokenizer
 
 WORKER_ID = "engine"
@@ -31,6 +31,7 @@ def prompt_ids(request: BenchRequest, tokenizer: Tokenizer) -> tuple[int, ...]:
 def replay(engine, requests: list[BenchRequest], tokenizer: Tokenizer, *, policy: str = "iteration",
            max_batch_size: int = 64, max_batch_tokens: int = 512, temperature: float = 0.0) -> dict:
     """Run every request to its end; returns throughput and per-iteration totals."""
+    from services.worker.service import plan_result  # what a worker answers, built the same way
     scheduler = SchedulerPolicy("replay", context_length=engine.config.context_length,
                                 stop_token_ids=tokenizer.stop_token_ids, policy=policy,
                                 max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
@@ -56,14 +57,8 @@ def replay(engine, requests: list[BenchRequest], tokenizer: Tokenizer, *, policy
             engine.add_request(new.request_id, new.sampling)
         outcome = engine.step(plan.items)
         step_seconds += outcome.seconds
-        by_id = {item.request_id: item for item in plan.items}
         applying = time.perf_counter()
-        result = PlanResult(
-            scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=WORKER_ID,
-            tokens=tuple(SampledToken(request_id=request_id, token_id=token, output_index=by_id[request_id].output_index)
-                         for request_id, token in outcome.tokens.items()),
-            errors=tuple(outcome.errors), kv_blocks_total=engine.kv_cache.blocks_total,
-            kv_blocks_free=engine.kv_cache.blocks_free, step_seconds=outcome.seconds)
+        result = plan_result(plan, outcome, WORKER_ID, engine.kv_cache)
         output_tokens += len(scheduler.on_result(result))
         scheduler.take_finished_without_token()
         scheduler.take_iteration_records()

@@ -2,7 +2,7 @@
 
 Types are strict (a string is not a number, a bool is not an int) and every refusal names the
 field in `param`. Fields this server does not know are ignored, as OpenAI does; fields it knows
-but does not implement (penalties, logprobs, echo, ...) are accepted only at their default.
+but does not implement (echo, logit_bias, tools, ...) are accepted only at their default.
 """
 
 import json
@@ -20,11 +20,6 @@ SEED_RANGE = 2**63  # SamplingParams.seed is in [0, 2**63); wider client seeds a
 
 # Known OpenAI/vLLM parameters this server does not implement: the values that mean "off".
 UNSUPPORTED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logprobs": (None, 0, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
@@ -52,6 +47,10 @@ class GenerationParams(StrictBody):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # -1 or 0: no top-k cut
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension (vLLM, llama.cpp)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # extension (vLLM)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: Any = Field(None, validate_default=True)  # normalized to a tuple of strings
     stream: bool | None = None
@@ -60,11 +59,6 @@ class GenerationParams(StrictBody):
     ignore_eos: bool | None = None  # extension (vLLM): benchmarks force output lengths
     user: str | None = None
     # Accepted only at their default (see UNSUPPORTED_UNLESS_DEFAULT).
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     best_of: Any = None
     logit_bias: Any = None
@@ -116,12 +110,25 @@ class GenerationParams(StrictBody):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def top_logprobs_wanted(self) -> int:
+        """-1: no logprobs; n >= 0: the chosen token's and the n most likely tokens' (per endpoint)."""
+        return -1
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         seed = random.getrandbits(63) if self.seed is None else self.seed % SEED_RANGE
+
+        def given(value, default):
+            return default if value is None else value
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=given(self.temperature, 1.0),  # OpenAI's default
+            top_p=given(self.top_p, 1.0),
             top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
+            min_p=given(self.min_p, 0.0),
+            presence_penalty=given(self.presence_penalty, 0.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            logprobs=self.top_logprobs_wanted(),
             seed=seed,
             max_tokens=max_tokens,
             stop=self.stop,
@@ -132,6 +139,11 @@ class GenerationParams(StrictBody):
 class CompletionRequest(GenerationParams):
     # A string, a list of token ids, or a list holding one of those (a batch of one).
     prompt: Any
+    # The legacy endpoint's logprobs: this many most likely tokens per position, and the chosen one's.
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def top_logprobs_wanted(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -180,6 +192,16 @@ class ChatMessage(StrictBody):
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     tool_choice: Any = None  # meaningless without tools, which are refused
+    logprobs: bool | None = None  # the chosen tokens' log-probabilities
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens' (needs logprobs)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+
+    def top_logprobs_wanted(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
 
 def text_of(text: str, what: str) -> str:

@@ -23,8 +23,10 @@ from services.gateway.responses import (
     KEEPALIVE_EVENT,
     ChunkWriter,
     Endpoint,
+    TokenLogprob,
     endpoint_of,
     final_body,
+    logprobs_body,
     sse,
     usage,
 )
@@ -81,7 +83,8 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         sampling.temperature, sampling.seed,
     )  # fmt: skip
     state.metrics.prompt_tokens.inc(len(prompt_token_ids))
-    answer = Answer(state, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started)
+    answer = Answer(state, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
+                    logprobs=sampling.logprobs >= 0)
     answer.ticket = ticket
     request[ANSWER] = answer
     try:
@@ -190,6 +193,7 @@ class Answer:
         prompt_tokens: int,
         started: float | None = None,  # monotonic arrival; None for a re-attached stream (no metrics)
         start_index: int = 0,
+        logprobs: bool = False,  # the request asked for logprobs
     ) -> None:
         self.state, self.endpoint, self.request_id = state, endpoint, request_id
         self.created, self.prompt_tokens = created, prompt_tokens
@@ -201,6 +205,9 @@ class Answer:
         self.finished = False
         self.outcome_counted = False
         self.ticket: Ticket | None = None  # its place among the waiting requests and the key's open ones
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # every token's, in order
+        self._logprobs_sent = 0  # how many of them a stream has sent
+        self._characters = 0  # length of the text so far (the next token's text_offset)
 
     def count_outcome(self, outcome: str) -> None:
         if self.started is not None and not self.outcome_counted:
@@ -208,8 +215,11 @@ class Answer:
             self.state.metrics.requests.labels(self.endpoint.name, outcome).inc()
 
     def add(self, event: TokenEvent) -> None:
+        if self.logprobs is not None and event.logprob is not None and event.token_id >= 0:
+            self.logprobs.append(TokenLogprob(event.token_id, event.logprob, event.top_logprobs, self._characters))
         if event.text:
             self.pieces.append(event.text)
+            self._characters += len(event.text)
         if event.token_id >= 0:
             now = time.monotonic()
             self.tokens_seen += 1
@@ -263,6 +273,17 @@ class Answer:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    def logprobs_body(self) -> dict | None:
+        return logprobs_body(self.endpoint, self.logprobs, self.state.tokenizer)
+
+    def unsent_logprobs(self) -> dict | None:
+        """The logprobs of the tokens not yet streamed (a token without text waits for the next chunk)."""
+        if self.logprobs is None:
+            return None
+        unsent = self.logprobs[self._logprobs_sent :]
+        self._logprobs_sent = len(self.logprobs)
+        return logprobs_body(self.endpoint, unsent, self.state.tokenizer)
+
 
 def transport_closed(request: web.Request) -> bool:
     transport = request.transport
@@ -286,7 +307,7 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
         raise request_failed(answer.request_id)
     body = final_body(
         answer.endpoint, answer.request_id, answer.created, answer.state.model_name,
-        answer.text, event.finish_reason, token_usage,
+        answer.text, event.finish_reason, token_usage, answer.logprobs_body(),
     )  # fmt: skip
     return web.json_response(body)
 
@@ -360,7 +381,8 @@ async def _stream_events(
             answer.add(event)
             if event.finish_reason is None:
                 if event.text:
-                    await response.write(chunks.text(event.text, resume_from=event.index + 1))
+                    await response.write(chunks.text(event.text, resume_from=event.index + 1,
+                                                     logprobs=answer.unsent_logprobs()))
                     last_write = time.monotonic()
                 continue
             token_usage = answer.finish(event)  # from here on the request is over: nothing to cancel
@@ -368,7 +390,8 @@ async def _stream_events(
                 await response.write(sse(request_failed(answer.request_id).body()))
             else:
                 await response.write(chunks.text(event.text, event.finish_reason,
-                                                 resume_from=event.index + 1 if event.index >= 0 else None))
+                                                 resume_from=event.index + 1 if event.index >= 0 else None,
+                                                 logprobs=answer.unsent_logprobs()))
                 if include_usage:
                     await response.write(chunks.usage(token_usage))
             await response.write(DONE_EVENT)
@@ -412,6 +435,7 @@ async def reattach_stream(request: web.Request) -> web.StreamResponse:
         int(record.arrival_time) if record else int(time.time()),
         len(record.prompt_token_ids) if record else 0,
         start_index=start_index,
+        logprobs=record is not None and record.sampling.logprobs >= 0,
     )
     log.info("re-attached id=%s from=%d status=%s", request_id, start_index, request_state.status)
     try:

@@ -44,14 +44,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probabilities, as a TokenEvent brought them."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+    text_offset: int  # where its text starts in the completion (characters)
+
+
+def logprobs_body(endpoint: Endpoint, entries: list[TokenLogprob] | None, tokenizer) -> dict | None:
+    """OpenAI's logprobs object: chat's `content` list, or the legacy completions' parallel lists.
+    A token's text is its bytes decoded (U+FFFD where it holds part of a character; chat also
+    gives the bytes)."""
+    if entries is None:
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.token_text(token_id)
+
+    if endpoint.is_chat:
+        def one(token_id: int, logprob: float) -> dict:
+            return {"token": text(token_id), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
+
+        return {"content": [one(entry.token_id, entry.logprob) | {"top_logprobs": [one(*top) for top in entry.top]}
+                            for entry in entries]}
+    return {
+        "tokens": [text(entry.token_id) for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{text(token_id): logprob for token_id, logprob in entry.top} for entry in entries],
+        "text_offset": [entry.text_offset for entry in entries],
+    }
+
+
 def final_body(
-    endpoint: Endpoint, request_id: str, created: int, model: str, text: str, finish_reason: str, token_usage: dict
+    endpoint: Endpoint, request_id: str, created: int, model: str, text: str, finish_reason: str, token_usage: dict,
+    logprobs: dict | None = None,
 ) -> dict:
     if endpoint.is_chat:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": endpoint.object_name,
@@ -81,13 +116,15 @@ class ChunkWriter:
         delta = {"role": "assistant", "content": ""}
         return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
 
-    def text(self, text: str, finish_reason: str | None = None, resume_from: int | None = None) -> bytes:
-        """resume_from: the output index a reader that got this chunk re-attaches from (SSE `id:`)."""
+    def text(self, text: str, finish_reason: str | None = None, resume_from: int | None = None,
+             logprobs: dict | None = None) -> bytes:
+        """resume_from: the output index a reader that got this chunk re-attaches from (SSE `id:`).
+        logprobs: those of the tokens whose text this chunk carries."""
         if self.endpoint.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._event([choice], event_id=resume_from)
 
     def usage(self, token_usage: dict) -> bytes:

@@ -42,6 +42,9 @@ log = logging.getLogger("iterserve.scheduler")
 
 Policy = Literal["iteration", "request"]
 MAX_ITEM_ERRORS = 3  # worker errors on one request's items before it fails (a rebuild fixes most)
+# Workers lost while a request ran on them before it fails: a request that makes every engine
+# break (a bug it triggers) must not take the fleet down one worker after another, forever.
+MAX_WORKERS_LOST = 3
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class TokenOutcome:
     token_id: int
     output_index: int
     finish_reason: FinishReason | None  # set when this token ends the request
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -230,7 +235,13 @@ class SchedulerPolicy:
             return []
         moved = list(worker.running)
         for state in list(worker.running.values()):
-            self._requeue(worker, state)
+            state.workers_lost += 1
+            if state.workers_lost >= MAX_WORKERS_LOST:
+                log.error("failed request_id=%s reason=workers_lost count=%d", state.request_id, state.workers_lost)
+                self._end(state, "error")
+                self._finished_without_token.append(state)
+            else:
+                self._requeue(worker, state)
         self._latest_draft.pop(worker_id, None)
         log.info("worker_down worker_id=%s requeued=%d abandoned_plans=%s", worker_id, len(moved),
                  [flight.plan.plan_id for flight in worker.in_flight])
@@ -351,7 +362,8 @@ class SchedulerPolicy:
             reason = self._finish_reason_after_output(state)
             if reason is not None:
                 self._end(state, reason)
-            outcomes.append(TokenOutcome(state, token.token_id, token.output_index, reason))
+            outcomes.append(TokenOutcome(state, token.token_id, token.output_index, reason, token.logprob,
+                                         token.top_logprobs))
         return outcomes
 
     # Internals: building a plan

@@ -26,6 +26,7 @@ class RequestState:
     finish_reason: FinishReason | None = None
     stepped_on_worker: bool = False  # has had a step on its current worker (for IterationRecord.joined)
     item_errors: int = 0  # worker errors on its items; too many fail the request
+    workers_lost: int = 0  # workers that died while it ran on them; too many fail it
 
     @property
     def request_id(self) -> str:

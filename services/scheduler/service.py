@@ -538,7 +538,8 @@ class SchedulerService:
         self._xadd_event(request_id, TokenEvent(
             index=outcome.output_index, token_id=outcome.token_id, text=piece, finish_reason=finish,
             prompt_tokens=len(state.prompt_token_ids) if finish else 0,
-            completion_tokens=completion_tokens if finish else 0))
+            completion_tokens=completion_tokens if finish else 0,
+            logprob=outcome.logprob, top_logprobs=outcome.top_logprobs))
         if finish is not None:
             self._write_end(request_id, finish, completion_tokens)
 

@@ -16,20 +16,23 @@ folded into the query-length axis, so K and V keep their Hkv heads ([B, Hkv, G*L
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from services.worker.kv_cache import PagedKVCache
 
 AttentionMode = Literal["batched", "per_request"]
 
 
 @dataclass(frozen=True)
-class StepRequest:
-    """One request's part of the step, as the engine hands it to build_batch."""
+class StepLayout:
+    """The step's requests as columns, in item order, as the engine hands them to build_batch."""
 
-    query_start: int  # first row of this request in the step's [T, ...] tensors
-    query_count: int  # L: tokens of this request in the step
-    start_position: int  # tokens already in its KV before this step
-    blocks: list[int]  # its block table, covering positions 0 .. start + L - 1
+    rows: np.ndarray  # [n] each request's row in the KV cache's block tables
+    query_starts: np.ndarray  # [n] first row of each request in the step's [T, ...] tensors
+    query_counts: np.ndarray  # [n] L: tokens of each request in the step
+    start_positions: np.ndarray  # [n] tokens already in its KV before this step
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,17 @@ class WorkspaceGroup:
 
 
 @dataclass(frozen=True)
+class StaticDecode:
+    """A decode-only step in fixed shapes (CUDA graphs): B padded rows of one token each, their
+    block tables cut to a bucketed context, the mask computed on the device from their lengths.
+    Nothing here depends on the values, so a captured graph replays for any batch that fits."""
+
+    block_tables: torch.Tensor  # [B, context // block_size] int64: each row's blocks (padding: block 0)
+    context_lengths: torch.Tensor  # [B] int64: tokens each row attends to (padding rows: 1)
+    max_context: int  # the bucket: block_tables' width x block_size
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     mode: AttentionMode
     num_tokens: int  # T
@@ -81,6 +95,7 @@ class AttentionBatch:
     spans: tuple[RequestSpan, ...]
     groups: tuple[PaddedGroup, ...]
     workspace_group: WorkspaceGroup | None = None
+    static_decode: StaticDecode | None = None  # then every token is a row of it, in order
 
 
 def causal_mask(start: int, query_count: int, context: int, group: int) -> torch.Tensor:
@@ -90,82 +105,89 @@ def causal_mask(start: int, query_count: int, context: int, group: int) -> torch
     return (positions.unsqueeze(0) <= query_positions.unsqueeze(1)).repeat(group, 1)
 
 
-def build_batch(mode: AttentionMode, requests: list[StepRequest], slot_mapping: list[int], block_size: int,
+def _long(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device, non_blocking=True)
+
+
+def build_batch(mode: AttentionMode, layout: StepLayout, slot_mapping: torch.Tensor, kv_cache: PagedKVCache,
                 group: int, kv_width: int, device: torch.device, dtype: torch.dtype,
                 workspace: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> AttentionBatch:
     """Everything attention needs for one step, built once and shared by all layers.
     group: query heads per KV head (G); kv_width: Hkv * D. workspace (batched mode): a
     DecodeWorkspace's keys and values and the row of each decode request (query_count 1), in
-    the order of `requests`, as DecodeWorkspace.prepare returned them."""
-    num_tokens = len(slot_mapping)
-    slot_tensor = torch.tensor(slot_mapping, dtype=torch.long, device=device)
-    if mode == "per_request":
-        spans = tuple(
-            RequestSpan(
-                request.query_start, request.query_count, request.start_position + request.query_count,
-                torch.tensor(request.blocks, dtype=torch.long, device=device),
-                None if request.query_count == 1 else causal_mask(
-                    request.start_position, request.query_count, request.start_position + request.query_count,
-                    group).to(device),
-            )
-            for request in requests
-        )
-        return AttentionBatch(mode, num_tokens, block_size, slot_tensor, spans, ())
-    decodes = [request for request in requests if request.query_count == 1]
-    chunks = [request for request in requests if request.query_count > 1]
+    item order, as DecodeWorkspace.prepare returned them."""
+    num_tokens = slot_mapping.numel()
+    block_size = kv_cache.block_size
+    if mode == "per_request":  # Orca's reference: one attention call per request (a loop on purpose)
+        spans = []
+        for row, query_start, count, start in zip(layout.rows.tolist(), layout.query_starts.tolist(),
+                                                  layout.query_counts.tolist(), layout.start_positions.tolist()):
+            spans.append(RequestSpan(
+                query_start, count, start + count, _long(kv_cache.block_table(row), device),
+                None if count == 1 else causal_mask(start, count, start + count, group).to(device)))
+        return AttentionBatch(mode, num_tokens, block_size, slot_mapping, tuple(spans), ())
+    decodes = np.flatnonzero(layout.query_counts == 1)
+    chunks = np.flatnonzero(layout.query_counts > 1)
     workspace_group = None
-    if workspace is not None and decodes:
-        workspace_group = _workspace_group(decodes, *workspace, slot_mapping, device)
-        decodes = []
-    groups = tuple(_padded_group(members, num_tokens, block_size, group, kv_width, device, dtype)
-                   for members in (decodes, chunks) if members)
-    return AttentionBatch(mode, num_tokens, block_size, slot_tensor, (), groups, workspace_group)
+    if workspace is not None and decodes.size:
+        workspace_group = _workspace_group(layout, decodes, *workspace, slot_mapping, device)
+        decodes = decodes[:0]
+    groups = tuple(_padded_group(layout, members, num_tokens, kv_cache, group, kv_width, device, dtype)
+                   for members in (decodes, chunks) if members.size)
+    return AttentionBatch(mode, num_tokens, block_size, slot_mapping, (), groups, workspace_group)
 
 
-def _workspace_group(decodes: list[StepRequest], keys: torch.Tensor, values: torch.Tensor, rows: list[int],
-                     slot_mapping: list[int], device: torch.device) -> WorkspaceGroup:
-    by_row = sorted(zip(rows, decodes, strict=True), key=lambda pair: pair[0])
-    if [row for row, _ in by_row] != list(range(len(rows))):
+def _workspace_group(layout: StepLayout, decodes: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+                     rows: list[int], slot_mapping: torch.Tensor, device: torch.device) -> WorkspaceGroup:
+    order = np.argsort(np.asarray(rows), kind="stable")  # workspace row r <- its decode request
+    if not np.array_equal(np.asarray(rows)[order], np.arange(len(rows))):
         raise ValueError(f"workspace rows must be exactly 0 .. {len(rows) - 1}, got {sorted(rows)}")
-    starts = torch.tensor([request.start_position for _, request in by_row], dtype=torch.long)
+    members = decodes[order]
+    starts = layout.start_positions[members]
     max_context = int(starts.max()) + 1
+    token_rows = _long(layout.query_starts[members], device)
+    starts_tensor = _long(starts, device)
     return WorkspaceGroup(
         keys=keys, values=values,
-        token_rows=torch.tensor([request.query_start for _, request in by_row], dtype=torch.long, device=device),
+        token_rows=token_rows,
         row_index=torch.arange(len(rows), device=device),
-        positions=starts.to(device),
-        slots=torch.tensor([slot_mapping[request.query_start] for _, request in by_row], dtype=torch.long,
-                           device=device),
-        mask=(torch.arange(max_context).unsqueeze(0) <= starts.unsqueeze(1)).view(len(rows), 1, 1, max_context)
-        .to(device),
+        positions=starts_tensor,
+        slots=slot_mapping.index_select(0, token_rows),
+        mask=(torch.arange(max_context, device=device).unsqueeze(0) <= starts_tensor.unsqueeze(1))
+        .view(len(rows), 1, 1, max_context),
         max_context=max_context,
     )
 
 
-def _padded_group(members: list[StepRequest], num_tokens: int, block_size: int, group: int, kv_width: int,
-                  device: torch.device, dtype: torch.dtype) -> PaddedGroup:
-    max_queries = max(request.query_count for request in members)
-    max_blocks = max(len(request.blocks) for request in members)
+def _padded_group(layout: StepLayout, members: np.ndarray, num_tokens: int, kv_cache: PagedKVCache, group: int,
+                  kv_width: int, device: torch.device, dtype: torch.dtype) -> PaddedGroup:
+    block_size = kv_cache.block_size
+    counts, starts = layout.query_counts[members], layout.start_positions[members]
+    query_starts, rows = layout.query_starts[members], layout.rows[members]
+    batch, max_queries = members.size, int(counts.max())
+    max_blocks = int(kv_cache.blocks_held[rows].max())
     max_context = max_blocks * block_size
-    query_rows, blocks, real_rows, token_rows = [], [], [], []
-    mask = torch.zeros(len(members), 1, group, max_queries, max_context, dtype=torch.bool)
-    for b, request in enumerate(members):
-        start, count = request.start_position, request.query_count
-        query_rows += list(range(request.query_start, request.query_start + count)) + [num_tokens] * (max_queries - count)
-        blocks.append(request.blocks + [0] * (max_blocks - len(request.blocks)))
-        real_rows += range(b * max_queries, b * max_queries + count)
-        token_rows += range(request.query_start, request.query_start + count)
-        mask[b, 0, :, :count, : start + count] = causal_mask(start, count, start + count, 1)
-        mask[b, 0, :, count:, 0] = True  # padding queries look at one slot: no all-masked row
+    query_index = np.arange(max_queries)
+    real = query_index[None, :] < counts[:, None]  # [B, Lmax]: a real query, or padding
+    query_rows = np.where(real, query_starts[:, None] + query_index[None, :], num_tokens)  # padding: a zero row
+    # Block tables, padded with block 0 (masked). Entries past a row's own blocks are stale: zero them.
+    blocks = kv_cache.block_tables[rows, :max_blocks] * (np.arange(max_blocks)[None, :] < kv_cache.blocks_held[rows, None])
+    query_positions = torch.from_numpy(np.where(real, starts[:, None] + query_index[None, :], 0)).to(device)
+    context = torch.arange(max_context, device=device)
+    mask = context.view(1, 1, max_context) <= query_positions.unsqueeze(-1)  # [B, Lmax, C]: causal
+    padding = torch.from_numpy(~real).to(device)
+    mask = mask & ~padding.unsqueeze(-1) | (padding.unsqueeze(-1) & (context == 0).view(1, 1, max_context))
+    mask = mask.unsqueeze(1).expand(batch, group, max_queries, max_context)  # padding queries look at slot 0
+    real_flat = real.reshape(-1)
     return PaddedGroup(
-        query_rows=torch.tensor(query_rows, dtype=torch.long, device=device),
-        blocks=torch.tensor(blocks, dtype=torch.long, device=device),
-        mask=mask.view(len(members), 1, group * max_queries, max_context).to(device),
+        query_rows=_long(query_rows.reshape(-1), device),
+        blocks=_long(blocks, device),
+        mask=mask.reshape(batch, 1, group * max_queries, max_context),
         max_queries=max_queries,
-        real_rows=torch.tensor(real_rows, dtype=torch.long, device=device),
-        token_rows=torch.tensor(token_rows, dtype=torch.long, device=device),
-        key_buffer=torch.empty(len(members) * max_blocks, block_size * kv_width, device=device, dtype=dtype),
-        value_buffer=torch.empty(len(members) * max_blocks, block_size * kv_width, device=device, dtype=dtype),
+        real_rows=_long(np.flatnonzero(real_flat), device),
+        token_rows=_long(query_rows.reshape(-1)[real_flat], device),
+        key_buffer=torch.empty(batch * max_blocks, block_size * kv_width, device=device, dtype=dtype),
+        value_buffer=torch.empty(batch * max_blocks, block_size * kv_width, device=device, dtype=dtype),
     )
 
 
@@ -184,6 +206,8 @@ def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, ba
     n_kv_heads = key_pool.shape[1]
     group = n_heads // n_kv_heads
     block_size = batch.block_size
+    if (static := batch.static_decode) is not None:
+        return _attend_static_decode(q, key_pool, value_pool, static, block_size)
     out = q.new_empty(num_tokens, n_heads * head_dim)
     for span in batch.spans:
         count, context = span.query_count, span.context_length
@@ -219,3 +243,19 @@ def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, ba
                                            ws_values[:rows, :, : ws.max_context], attn_mask=ws.mask)
         out[ws.token_rows] = o.reshape(rows, n_heads * head_dim)
     return out
+
+
+def _attend_static_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, static: StaticDecode,
+                          block_size: int) -> torch.Tensor:
+    """One query per row against its blocks, gathered from the pool into a step-local buffer (the
+    pool stays the only copy of the KV: no workspace kept across steps), in fixed shapes."""
+    rows, n_heads, head_dim = q.shape
+    n_kv_heads = key_pool.shape[1]
+    context = static.max_context
+    blocks = static.block_tables.reshape(-1)
+    keys = gather_blocks(key_pool, blocks, block_size).view(rows, context, n_kv_heads, head_dim).transpose(1, 2)
+    values = gather_blocks(value_pool, blocks, block_size).view(rows, context, n_kv_heads, head_dim).transpose(1, 2)
+    mask = (torch.arange(context, device=q.device).unsqueeze(0) < static.context_lengths.unsqueeze(1))
+    queries = q.view(rows, n_kv_heads, n_heads // n_kv_heads, head_dim)  # grouped heads on the query axis
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.view(rows, 1, 1, context))
+    return out.reshape(rows, n_heads * head_dim)

@@ -2,36 +2,66 @@
 
 A step takes any mix of prompt chunks and decode tokens (StepItems), reserves their KV
 blocks, runs the model once on all their tokens (selective batching) and samples the next
-token of every item that reaches the end of its known tokens.
+token of every item that reaches the end of its known tokens, all rows at once.
+
+Every request the engine holds has a row (vLLM v1's persistent input batch): its KV block table
+is a row of the cache's preallocated table, its last sampled token a row of a device tensor
+(a pipelined plan feeds it from there, never through the host), its sampling parameters are
+kept from the plan that introduced it. A step's index arrays (positions, slot mapping, logit
+rows) are computed with vectorized numpy over the items and copied to the device once; the
+only host synchronisation in a step is fetching the sampled tokens at its end.
 """
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
-from services.worker.attention import AttentionMode, StepRequest, build_batch
+from services.worker.attention import AttentionMode, StepLayout, build_batch
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import KVCacheFull, PagedKVCache
 from services.worker.model import Llama
-from services.worker.sampling import sample_tokens
-from services.worker.weights import load_weights
-from shared.config import Settings
-from shared.messages import ItemError, SamplingParams, StepItem
-from shared.model_file import ModelConfig, load_metadata
+from services.worker.sampler import PenaltyHistory, sample
+from services.worker.sampling_table import SamplingTable
+from services.worker.staging import Staging
+from shared.model_file import ModelConfig
+
+if TYPE_CHECKING:  # the engine imports only torch and numpy: it runs where the service's packages are not
+    from shared.config import Settings
+    from shared.messages import SamplingParams, StepItem
 
 log = logging.getLogger("iterserve.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class ItemRefusal:
+    """An item the engine did not run, and why (the worker sends it on as an ItemError)."""
+
+    request_id: str
+    code: str  # kv_cache_full, unknown_request or bad_item
+    message: str
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the most likely tokens', from the raw logits."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
 @dataclass
 class StepOutcome:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
-    errors: list[ItemError] = field(default_factory=list)  # items that did not run
+    errors: list[ItemRefusal] = field(default_factory=list)  # items that did not run
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # when asked: [V] float32
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked for them
     seconds: float = 0.0
 
 
@@ -56,179 +86,318 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def default(setting: str):
-    return Settings.model_fields[setting].default
+# Defaults of an engine made directly (tests, benchmarks); a service's come from its Settings.
+DECODE_WORKSPACE_TOKENS = 65536
+MAX_BATCH_SIZE = 64
 
 
 class Engine:
     def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched",
-                 decode_workspace_tokens: int = default("decode_workspace_tokens"),
-                 max_batch_size: int = default("max_batch_size")):
+                 decode_workspace_tokens: int = DECODE_WORKSPACE_TOKENS, max_batch_size: int = MAX_BATCH_SIZE,
+                 static_decode: bool = False):
+        """static_decode: decode-only steps in fixed shapes (DecodeGraphs), captured as CUDA graphs
+        on CUDA; the KV cache needs a scratch block for it."""
         self.model, self.kv_cache, self.attention = model, kv_cache, attention
         self.config: ModelConfig = model.config
-        self._sampling: dict[str, SamplingParams] = {}
-        self._last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token) sampled last
+        device = model.device
+        self.max_rows = kv_cache.block_tables.shape[0]
+        self._row_of: dict[str, int] = {}
+        self._request_of: list[str | None] = [None] * self.max_rows
+        self._free_rows = list(range(self.max_rows - 1, -1, -1))  # a stack: lowest rows first
+        self._params: list["SamplingParams | None"] = [None] * self.max_rows
+        self._sampling = SamplingTable(self.max_rows, device)
+        self._refused: dict[str, str] = {}  # requests add_request could not take, and why
+        # The token each row sampled last, on the device (fed from there by pipelined plans), its
+        # output index and a host copy (known once the step that sampled it has synchronised).
+        self.last_token = torch.zeros(self.max_rows, dtype=torch.long, device=device)
+        self._last_output_index = np.full(self.max_rows, -1, dtype=np.int64)
+        self._last_token_host = np.zeros(self.max_rows, dtype=np.int64)
+        self._fed: dict[int, list[int]] = {}  # rows with penalties: every token fed (prompt + output)
+        self._staging = Staging(device)
         self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens, rows_hint=max_batch_size)
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
+        self.graphs = (DecodeGraphs(model, kv_cache, self.max_rows, capture=device.type == "cuda")
+                       if static_decode else None)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Engine":
+    def from_settings(cls, settings: "Settings") -> "Engine":
+        from services.worker.weights import load_weights
+        from shared.model_file import load_metadata
+
         started = time.perf_counter()
         metadata = load_metadata(settings.model)
         device = pick_device(settings.device)
         dtype = pick_dtype(settings.dtype, device)
-        model = Llama(metadata.config, load_weights(metadata), device, dtype)
-        engine = cls(model, cls.kv_cache_for(metadata.config, settings, device, dtype), settings.attention,
-                     settings.decode_workspace_tokens, settings.max_batch_size)
-        log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d seconds=%.2f",
-                 metadata.name, device, dtype, settings.kv_blocks, time.perf_counter() - started)
+        graphs = settings.cuda_graphs and device.type == "cuda"
+        if settings.cuda_graphs and not graphs:
+            log.warning("event=cuda_graphs_ignored device=%s reason=not_cuda", device)
+        # The decode workspace (a second, contiguous copy of the decoding requests' KV) pays on the
+        # CPU, where gathering from the pool is slow; on CUDA it would commit gigabytes: the pool only.
+        workspace_tokens = settings.decode_workspace_tokens if device.type == "cpu" else 0
+        model = Llama(metadata.config, load_weights(metadata), device, dtype, compile=settings.compile)
+        engine = cls(model, cls.kv_cache_for(metadata.config, settings, device, dtype, scratch_block=graphs),
+                     settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
+        log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d compile=%s cuda_graphs=%s seconds=%.2f",
+                 metadata.name, device, dtype, engine.kv_cache.blocks_total, settings.compile, graphs,
+                 time.perf_counter() - started)
         return engine
 
     @staticmethod
-    def kv_cache_for(config: ModelConfig, settings: Settings, device: torch.device, dtype: torch.dtype) -> PagedKVCache:
+    def kv_cache_for(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype,
+                     scratch_block: bool = False) -> PagedKVCache:
         blocks = settings.kv_blocks
         if settings.kv_memory_fraction > 0:
             bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
                                * torch.finfo(dtype).bits // 8)
             blocks = max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
         return PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, blocks, settings.kv_block_size,
-                            device, dtype)
+                            device, dtype, max_rows=settings.max_batch_size,
+                            max_blocks_per_row=-(-config.context_length // settings.kv_block_size),
+                            scratch_block=scratch_block)
 
     # Requests
 
-    def add_request(self, request_id: str, sampling: SamplingParams) -> None:
-        self._sampling[request_id] = sampling
+    def add_request(self, request_id: str, sampling: "SamplingParams") -> None:
+        """Give a request a row (or new sampling parameters, if it has one)."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                self._refused[request_id] = f"the worker already holds {self.max_rows} requests (max_batch_size)"
+                return
+            row = self._free_rows.pop()
+            self._row_of[request_id] = row
+            self._request_of[row] = request_id
+        self._refused.pop(request_id, None)
+        self._params[row] = sampling
+        self._sampling.set(row, sampling)
+        if has_penalty(sampling):
+            self._fed.setdefault(row, [])
+        else:
+            self._fed.pop(row, None)
 
     def free(self, request_id: str) -> None:
         """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
-        self._sampling.pop(request_id, None)
-        self._last_sampled.pop(request_id, None)
-        self._free_kv(request_id)
+        self._refused.pop(request_id, None)
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return
+        self._free_kv(row)
+        self._request_of[row] = self._params[row] = None
+        self._last_output_index[row] = -1
+        self._fed.pop(row, None)
+        self._free_rows.append(row)
 
     def reset(self) -> None:
-        self._sampling.clear()
-        self._last_sampled.clear()
+        for request_id in list(self._row_of):
+            self.free(request_id)
+        self._refused.clear()
         self.kv_cache.free_all()
         if self.workspace is not None:
             self.workspace.forget()
 
-    def _free_kv(self, request_id: str) -> None:
-        self.kv_cache.free(request_id)
+    def _free_kv(self, row: int) -> None:
+        self.kv_cache.free(row)
         if self.workspace is not None:
-            self.workspace.drop(request_id)
+            self.workspace.drop(row)
 
     @property
     def running(self) -> int:
-        return len(self._sampling)
+        return len(self._row_of)
+
+    def row(self, request_id: str) -> int | None:
+        """The request's row (in the KV cache's block tables and the per-row tensors), if it has one."""
+        return self._row_of.get(request_id)
+
+    def kv_length(self, request_id: str) -> int:
+        """Tokens of a request whose KV is written (0 when unknown)."""
+        row = self._row_of.get(request_id)
+        return 0 if row is None else int(self.kv_cache.lengths[row])
 
     # One iteration
 
-    def _resolve(self, item: StepItem) -> StepItem | ItemError:
-        """The item with its input token filled in when it feeds the token sampled before it."""
-        if not item.feeds_sampled:
-            return item
-        last = self._last_sampled.get(item.request_id)
-        if item.token_ids or last is None or last[0] != item.output_index - 1:
-            return ItemError(request_id=item.request_id, code="bad_item",
-                             message=f"no token sampled at output_index {item.output_index - 1} to feed")
-        return item.model_copy(update={"token_ids": (last[1],), "feeds_sampled": False})
-
-    def _check(self, item: StepItem) -> ItemError | None:
-        def error(code, message):
-            return ItemError(request_id=item.request_id, code=code, message=message)
-
-        if item.request_id not in self._sampling:
-            return error("unknown_request", "no sampling parameters were sent for this request")
-        if not item.token_ids:
-            return error("bad_item", "no tokens to feed")
-        if item.start_position + len(item.token_ids) > self.config.context_length:
-            return error("bad_item", f"exceeds the context length {self.config.context_length}")
-        if min(item.token_ids) < 0 or max(item.token_ids) >= self.config.vocab_size:
-            return error("bad_item", "token id outside the vocabulary")
-        held = self.kv_cache.length(item.request_id)
-        if item.start_position == 0 and held:
-            self._free_kv(item.request_id)  # a rebuild from the first token
-        elif item.start_position != held:
-            return error("bad_item", f"start_position {item.start_position} but {held} tokens are in the KV cache")
-        return None
-
-    def step(self, items: Sequence[StepItem], return_logits: bool = False) -> StepOutcome:
+    def step(self, items: Sequence["StepItem"], return_logits: bool = False) -> StepOutcome:
         started = time.perf_counter()
         outcome = StepOutcome()
-        runnable: list[StepItem] = []
-        seen: set[str] = set()
-        for item in items:
-            if item.request_id in seen:
-                outcome.errors.append(ItemError(request_id=item.request_id, code="bad_item",
-                                                message="a request may have one item per step"))
-                continue
-            seen.add(item.request_id)
-            if item.feeds_sampled and item.request_id in self._sampling:
-                item = self._resolve(item)
-                if isinstance(item, ItemError):
-                    outcome.errors.append(item)
-                    continue
-            if (problem := self._check(item)) is not None:
-                outcome.errors.append(problem)
-                continue
-            try:
-                self.kv_cache.grow(item.request_id, item.start_position + len(item.token_ids))
-            except KVCacheFull as full:
-                outcome.errors.append(ItemError(request_id=item.request_id, code="kv_cache_full", message=str(full)))
-                continue
-            runnable.append(item)
-        if runnable:
-            self._run(runnable, outcome, return_logits)
+        columns = self._columns(items, outcome)
+        if columns is not None:
+            self._run(columns, outcome, return_logits)
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def _run(self, items: list[StepItem], outcome: StepOutcome, return_logits: bool) -> None:
-        device = self.model.device
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        requests: list[StepRequest] = []
-        logit_rows: list[int] = []
-        sampled: list[StepItem] = []
+    def _columns(self, items: Sequence["StepItem"], outcome: StepOutcome) -> "StepColumns | None":
+        """The runnable items as columns, their KV blocks reserved; the others as ItemErrors."""
+        columns = StepColumns()
+        kv_cache, context_length, vocab_size = self.kv_cache, self.config.context_length, self.config.vocab_size
+        seen: set[str] = set()
         for item in items:
-            start, count = item.start_position, len(item.token_ids)
-            blocks = self.kv_cache.block_table(item.request_id)
-            requests.append(StepRequest(len(token_ids), count, start, blocks))
-            token_ids.extend(item.token_ids)
-            positions.extend(range(start, start + count))
-            slot_mapping.extend(self.kv_cache.slots(item.request_id, start, start + count))
-            if item.sample:
-                logit_rows.append(len(token_ids) - 1)
-                sampled.append(item)
+            request_id = item.request_id
+
+            def refuse(code: str, message: str) -> None:
+                outcome.errors.append(ItemRefusal(request_id, code, message))
+
+            if request_id in seen:
+                refuse("bad_item", "a request may have one item per step")
+                continue
+            seen.add(request_id)
+            row = self._row_of.get(request_id)
+            if row is None:
+                refuse("bad_item" if request_id in self._refused else "unknown_request",
+                       self._refused.get(request_id, "no sampling parameters were sent for this request"))
+                continue
+            start = item.start_position
+            if item.feeds_sampled:  # the token this worker sampled for it in the plan before
+                if item.token_ids or self._last_output_index[row] != item.output_index - 1:
+                    refuse("bad_item", f"no token sampled at output_index {item.output_index - 1} to feed")
+                    continue
+                count = 1
+            else:
+                count = len(item.token_ids)
+                if not count:
+                    refuse("bad_item", "no tokens to feed")
+                    continue
+                if min(item.token_ids) < 0 or max(item.token_ids) >= vocab_size:
+                    refuse("bad_item", "token id outside the vocabulary")
+                    continue
+            if start + count > context_length:
+                refuse("bad_item", f"exceeds the context length {context_length}")
+                continue
+            held = int(kv_cache.lengths[row])
+            if start == 0 and held:
+                self._free_kv(row)  # a rebuild from the first token
+            elif start != held:
+                refuse("bad_item", f"start_position {start} but {held} tokens are in the KV cache")
+                continue
+            try:
+                kv_cache.grow(row, start + count, request_id)
+            except KVCacheFull as full:
+                refuse("kv_cache_full", str(full))
+                continue
+            columns.add(request_id, row, start, count, item, self._last_token_host[row])
+        return columns if columns.request_ids else None
+
+    def _run(self, columns: "StepColumns", outcome: StepOutcome, return_logits: bool) -> None:
+        device, kv_cache, stage = self.model.device, self.kv_cache, self._staging.to_device
+        rows, starts, counts = (np.asarray(values, dtype=np.int64) for values in
+                                (columns.rows, columns.starts, columns.counts))
+        sampled = np.asarray(columns.sample, dtype=bool)
+        query_starts = np.cumsum(counts) - counts
+        num_tokens = int(counts.sum())
+        positions = np.repeat(starts - query_starts, counts) + np.arange(num_tokens)
+        token_ids = stage("token_ids", np.asarray(columns.token_ids, dtype=np.int64))
+        if columns.feed_positions:  # pipelined: their input is what the step before sampled, on the device
+            feed_rows = stage("feed_rows", np.asarray(columns.feed_rows, dtype=np.int64))
+            token_ids[stage("feed_positions", np.asarray(columns.feed_positions, dtype=np.int64))] = \
+                self.last_token.index_select(0, feed_rows)
+        slot_mapping = stage("slot_mapping", kv_cache.slots(np.repeat(rows, counts), positions))
         config = self.config
-        workspace = None
-        decodes = [(item.request_id, item.start_position) for item in items if len(item.token_ids) == 1]
-        if self.workspace is not None and decodes and self.attention == "batched":
-            rows = self.workspace.prepare(decodes)
-            if rows is not None:
-                workspace = (self.workspace.keys, self.workspace.values, rows)
-        batch = build_batch(self.attention, requests, slot_mapping, self.kv_cache.block_size,
-                            config.n_heads // config.n_kv_heads, config.n_kv_heads * config.head_dim, device,
-                            self.model.dtype, workspace)
+        decodes = counts == 1
         try:
-            logits = self.model.forward(
-                torch.tensor(token_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
-                batch, self.kv_cache,
-                torch.tensor(logit_rows, dtype=torch.long, device=device),
-            )
+            if self.graphs is not None and decodes.all() and self.graphs.fits(rows.size, int(starts.max()) + 1):
+                logits = self.graphs.run(token_ids, stage("positions", positions), slot_mapping, rows, starts + 1)
+                if not sampled.all():
+                    logits = logits[stage("sampled", np.flatnonzero(sampled))]
+            else:
+                workspace = None
+                if self.workspace is not None and self.attention == "batched" and decodes.any():
+                    workspace_rows = self.workspace.prepare(list(zip(rows[decodes].tolist(), starts[decodes].tolist())))
+                    if workspace_rows is not None:
+                        workspace = (self.workspace.keys, self.workspace.values, workspace_rows)
+                layout = StepLayout(rows, query_starts, counts, starts)
+                batch = build_batch(self.attention, layout, slot_mapping, kv_cache, config.n_heads // config.n_kv_heads,
+                                    config.n_kv_heads * config.head_dim, device, self.model.dtype, workspace)
+                logit_rows = stage("logit_rows", (query_starts + counts - 1)[sampled])
+                logits = self.model.forward(token_ids, stage("positions", positions), batch, kv_cache, logit_rows)
         except BaseException:
             if self.workspace is not None:
                 self.workspace.forget()  # rows may be half-written: none can be trusted
             raise
-        for item in items:
-            self.kv_cache.set_length(item.request_id, item.start_position + len(item.token_ids))
-        if not sampled:
+        kv_cache.lengths[rows] = starts + counts
+        self._remember_fed(columns)
+        if not sampled.any():
             return
-        params = [self._sampling[item.request_id] for item in sampled]
-        tokens = sample_tokens(logits, params, [item.output_index for item in sampled])
-        for row, (item, token) in enumerate(zip(sampled, tokens)):
-            outcome.tokens[item.request_id] = token
-            self._last_sampled[item.request_id] = (item.output_index, token)
-            if return_logits:
-                outcome.logits[item.request_id] = logits[row].cpu()
+        sampled_rows = rows[sampled]
+        request_ids = [request_id for request_id, sample_it in zip(columns.request_ids, columns.sample) if sample_it]
+        output_indices = np.asarray(columns.output_indices, dtype=np.int64)[sampled]
+        sampling_rows = self._sampling.rows(sampled_rows, output_indices, config.vocab_size)
+        result = sample(logits, sampling_rows, self._penalty_history(sampled_rows, output_indices, device))
+        self.last_token.index_copy_(0, stage("sampled_rows", sampled_rows), result.token_ids)
+        tokens = result.token_ids.cpu().numpy()  # the step's one synchronisation
+        self._last_output_index[sampled_rows] = output_indices
+        self._last_token_host[sampled_rows] = tokens
+        outcome.tokens = dict(zip(request_ids, tokens.tolist()))
+        if result.logprob is not None:
+            self._take_logprobs(result, request_ids, [self._params[row] for row in sampled_rows.tolist()], outcome)
+        if return_logits:
+            for index, request_id in enumerate(request_ids):
+                outcome.logits[request_id] = logits[index].float().cpu()
+
+    def _remember_fed(self, columns: "StepColumns") -> None:
+        """Rows with penalties keep every token fed: their prompt and output so far."""
+        if not self._fed:
+            return
+        for row, start, tokens in zip(columns.rows, columns.starts, columns.fed_tokens):
+            fed = self._fed.get(row)
+            if fed is not None:
+                del fed[start:]
+                fed.extend(tokens)
+
+    def _penalty_history(self, rows: np.ndarray, output_indices: np.ndarray,
+                         device: torch.device) -> PenaltyHistory | None:
+        if not self._fed or not any(row in self._fed for row in rows.tolist()):
+            return None
+        prompts, outputs = [], []
+        for row, output_index in zip(rows.tolist(), output_indices.tolist()):
+            fed = self._fed.get(row, ())
+            split = len(fed) - output_index  # fed = prompt + the outputs before this one
+            prompts.append(fed[:split])
+            outputs.append(fed[split:])
+        return PenaltyHistory.from_lists(prompts, outputs, device=device)
+
+    @staticmethod
+    def _take_logprobs(result, request_ids: list[str], params: list["SamplingParams"], outcome: StepOutcome) -> None:
+        chosen = result.logprob.float().cpu().tolist()
+        top_ids = result.top_ids.cpu().tolist()
+        top_logprobs = result.top_logprobs.float().cpu().tolist()
+        for index, (request_id, request_params) in enumerate(zip(request_ids, params)):
+            wanted = getattr(request_params, "logprobs", -1)
+            if wanted < 0:
+                continue
+            top = tuple(zip(top_ids[index][:wanted], top_logprobs[index][:wanted]))
+            outcome.logprobs[request_id] = TokenLogprobs(chosen[index], top)
+
+
+@dataclass(eq=False)
+class StepColumns:
+    """The runnable items of one step as columns, in item order."""
+
+    request_ids: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    output_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # flattened; a fed-from-device token holds 0
+    feed_positions: list[int] = field(default_factory=list)  # where in token_ids a sampled token goes
+    feed_rows: list[int] = field(default_factory=list)  # and whose
+    fed_tokens: list[tuple[int, ...]] = field(default_factory=list)  # each item's tokens, as the host knows them
+
+    def add(self, request_id: str, row: int, start: int, count: int, item: "StepItem", last_token: int) -> None:
+        self.request_ids.append(request_id)
+        self.rows.append(row)
+        self.starts.append(start)
+        self.counts.append(count)
+        self.sample.append(item.sample)
+        self.output_indices.append(item.output_index)
+        if item.feeds_sampled:
+            self.feed_positions.append(len(self.token_ids))
+            self.feed_rows.append(row)
+            self.token_ids.append(0)
+            self.fed_tokens.append((int(last_token),))
+        else:
+            self.token_ids.extend(item.token_ids)
+            self.fed_tokens.append(item.token_ids)
+
+
+def has_penalty(params: "SamplingParams") -> bool:
+    return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
+            or getattr(params, "repetition_penalty", 1.0) != 1)

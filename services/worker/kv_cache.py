@@ -1,72 +1,90 @@
-"""Paged KV cache: one preallocated pool of fixed-size blocks, a block table per request.
+"""Paged KV cache: one preallocated pool of fixed-size blocks, a block table per request row.
 
-A token's KV lives at flat slot `block * block_size + offset` of every layer's pool. Blocks
-are taken when a request grows and returned when it finishes, is cancelled or is evicted.
+A token's KV lives at flat slot `block * block_size + offset` of every layer's pool. Each request
+the engine holds has a row (services/worker/engine.py): its block table is a row of one
+preallocated [rows, max_blocks] array, so a step's slot mapping is one vectorized lookup, and on
+an accelerator the same table lives on the device for kernels that read the pool in place.
+Blocks are taken when a request grows and returned when it finishes, is cancelled or is evicted.
 """
 
+import numpy as np
 import torch
 
 
 class KVCacheFull(Exception):
     """The pool has too few free blocks for a request's next step (nothing was changed)."""
 
-    def __init__(self, request_id: str, blocks_needed: int, blocks_free: int):
-        super().__init__(f"request {request_id} needs {blocks_needed} more KV blocks, {blocks_free} free")
-        self.request_id, self.blocks_needed, self.blocks_free = request_id, blocks_needed, blocks_free
+    def __init__(self, request: str, blocks_needed: int, blocks_free: int):
+        super().__init__(f"request {request} needs {blocks_needed} more KV blocks, {blocks_free} free")
+        self.request, self.blocks_needed, self.blocks_free = request, blocks_needed, blocks_free
 
 
 class PagedKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, max_rows: int, max_blocks_per_row: int,
+                 scratch_block: bool = False):
+        """scratch_block: one more block, owned by nobody, where padding rows of fixed-shape decode
+        steps (services/worker/decode_graphs.py) write their K/V."""
         self.block_size = block_size
         self.blocks_total = num_blocks
-        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        self.device = device
+        self.scratch_slot = num_blocks * block_size if scratch_block else None
+        shape = (n_layers, (num_blocks + scratch_block) * block_size, n_kv_heads, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [layers, slots, Hkv, D]
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
-        self._block_tables: dict[str, list[int]] = {}
-        self._lengths: dict[str, int] = {}  # tokens of each request whose KV is written
+        self.block_tables = np.zeros((max_rows, max_blocks_per_row), dtype=np.int64)  # row -> its blocks
+        self.blocks_held = np.zeros(max_rows, dtype=np.int64)  # valid entries of each row's table
+        self.lengths = np.zeros(max_rows, dtype=np.int64)  # tokens of each row whose KV is written
+        # The tables on the device, for kernels that read the pool in place (CUDA); rows are copied
+        # when they change. On the CPU the host array is the table.
+        self.device_block_tables = (torch.zeros(self.block_tables.shape, dtype=torch.int32, device=device)
+                                    if device.type == "cuda" else None)
 
     @property
     def blocks_free(self) -> int:
         return len(self._free_blocks)
 
-    def length(self, request_id: str) -> int:
-        return self._lengths.get(request_id, 0)
+    @property
+    def max_blocks_per_row(self) -> int:
+        return self.block_tables.shape[1]
 
-    def blocks_needed(self, request_id: str, total_tokens: int) -> int:
-        held = len(self._block_tables.get(request_id, ()))
-        return max(0, -(-total_tokens // self.block_size) - held)
+    def blocks_needed(self, row: int, total_tokens: int) -> int:
+        return max(0, -(-total_tokens // self.block_size) - int(self.blocks_held[row]))
 
-    def grow(self, request_id: str, total_tokens: int) -> None:
-        """Make room for `total_tokens` tokens; raise KVCacheFull, changing nothing, if it can't."""
-        needed = self.blocks_needed(request_id, total_tokens)
-        if needed > len(self._free_blocks):
-            raise KVCacheFull(request_id, needed, len(self._free_blocks))
-        table = self._block_tables.setdefault(request_id, [])
-        self._lengths.setdefault(request_id, 0)
-        for _ in range(needed):
-            table.append(self._free_blocks.pop())
+    def grow(self, row: int, total_tokens: int, request: str = "") -> None:
+        """Make room for `total_tokens` tokens in a row; raise KVCacheFull, changing nothing, if it can't."""
+        needed = self.blocks_needed(row, total_tokens)
+        if needed == 0:
+            return
+        held = int(self.blocks_held[row])
+        if needed > len(self._free_blocks) or held + needed > self.max_blocks_per_row:
+            raise KVCacheFull(request or f"row {row}", needed, len(self._free_blocks))
+        for index in range(held, held + needed):
+            self.block_tables[row, index] = self._free_blocks.pop()
+        self.blocks_held[row] = held + needed
+        if self.device_block_tables is not None:
+            self.device_block_tables[row, held : held + needed] = torch.from_numpy(
+                self.block_tables[row, held : held + needed])
 
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._block_tables[request_id])
+    def block_table(self, row: int) -> np.ndarray:
+        return self.block_tables[row, : self.blocks_held[row]]
 
-    def slots(self, request_id: str, start: int, end: int) -> list[int]:
-        """Flat pool slots of token positions [start, end) of a request (within its blocks)."""
-        table, size = self._block_tables[request_id], self.block_size
-        return [table[position // size] * size + position % size for position in range(start, end)]
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Flat pool slots of token positions, one row per token (within the rows' blocks)."""
+        return self.block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def set_length(self, request_id: str, length: int) -> None:
-        self._lengths[request_id] = length
-
-    def free(self, request_id: str) -> None:
-        """Return a request's blocks to the pool (harmless for an unknown request)."""
-        self._free_blocks.extend(reversed(self._block_tables.pop(request_id, [])))
-        self._lengths.pop(request_id, None)
+    def free(self, row: int) -> None:
+        """Return a row's blocks to the pool (harmless for a row that holds none)."""
+        held = int(self.blocks_held[row])
+        self._free_blocks.extend(self.block_tables[row, held - 1 :: -1].tolist() if held else ())
+        self.blocks_held[row] = 0
+        self.lengths[row] = 0
 
     def free_all(self) -> None:
-        for request_id in list(self._block_tables):
-            self.free(request_id)
+        for row in np.flatnonzero(self.blocks_held).tolist():
+            self.free(row)
+        self.lengths[:] = 0
 
     def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new K and V ([T, Hkv, D]) at their slots ([T])."""

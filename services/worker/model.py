@@ -52,9 +52,48 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+# The non-attention ops of a layer, on all the step's tokens flattened to [T, H]: each is one
+# function of tensors (the same for every layer), so `--compile` compiles each once, with the
+# token count dynamic, and every layer reuses the compiled code.
+
+
+def attention_inputs(x: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+    """[T, H] -> q [T, Hq, D], k and v [T, Hkv, D], rotary applied to q and k."""
+    h = rms_norm(x, norm, eps)
+    q, k, v = linear(h, qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = q.view(-1, n_heads, head_dim)
+    k = k.view(-1, n_kv_heads, head_dim)
+    v = v.view(-1, n_kv_heads, head_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def attention_output_and_ffn(x: torch.Tensor, attended: torch.Tensor, out: torch.Tensor, norm: torch.Tensor,
+                             gate_up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual stream after the attention's output projection and the SwiGLU feed-forward."""
+    x = x + linear(attended, out)
+    gate, up = linear(rms_norm(x, norm, eps), gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down)
+
+
+def final_logits(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    return linear(rms_norm(x, norm, eps), lm_head).float()
+
+
+def compiled(function):
+    """torch.compile with a dynamic token count: one compiled graph serves every step size (the
+    projections' row threshold, SKINNY_ROWS, splits it in two)."""
+    return torch.compile(function, dynamic=True)
+
+
 class Llama:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 compile: bool = False):
         self.config, self.device, self.dtype = config, device, dtype
+        self.compiled = compile
+        self.attention_inputs = compiled(attention_inputs) if compile else attention_inputs
+        self.attention_output_and_ffn = compiled(attention_output_and_ffn) if compile else attention_output_and_ffn
+        self.final_logits = compiled(final_logits) if compile else final_logits
 
         def tensor(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -91,24 +130,14 @@ class Llama:
         logit_rows: torch.Tensor,  # [B]: the rows whose next token is wanted
     ) -> torch.Tensor:  # [B, V] float32
         config = self.config
-        q_size = config.n_heads * config.head_dim
-        kv_size = config.n_kv_heads * config.head_dim
+        eps = config.rms_norm_eps
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         x = self.embedding.index_select(0, token_ids)  # [T, H]
         for layer_index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-            q, k, v = linear(h, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, config.n_heads, config.head_dim)
-            k = k.view(-1, config.n_kv_heads, config.head_dim)
-            v = v.view(-1, config.n_kv_heads, config.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k, v = self.attention_inputs(x, layer.attn_norm, layer.qkv, cos, sin, config.n_heads,
+                                            config.n_kv_heads, config.head_dim, eps)
             kv_cache.write(layer_index, batch.slot_mapping, k, v)
             attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch, layer_index)  # [T, Hq D]
-            x = x + linear(attended, layer.out)
-            h = rms_norm(x, layer.ffn_norm, config.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
-        last = rms_norm(x[logit_rows], self.final_norm, config.rms_norm_eps)
-        return linear(last, self.lm_head).float()
+            x = self.attention_output_and_ffn(x, attended, layer.out, layer.ffn_norm, layer.gate_up, layer.down, eps)
+        return self.final_logits(x.index_select(0, logit_rows), self.final_norm, self.lm_head, eps)

@@ -16,6 +16,7 @@ No Redis command is ever cancelled (see shared/redis_connection.py): loops stop 
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -24,7 +25,8 @@ import uuid
 import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
-from services.worker.engine import Engine
+from services.worker.engine import Engine, StepOutcome
+from services.worker.kv_cache import PagedKVCache
 from shared import keys
 from shared.config import Settings, threads_per_worker
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
@@ -110,15 +112,7 @@ class Worker:
         for new in plan.new_requests:
             self.engine.add_request(new.request_id, new.sampling)
         outcome = self.engine.step(plan.items)
-        by_id = {item.request_id: item for item in plan.items}
-        kv = self.engine.kv_cache
-        return PlanResult(
-            scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=self.worker_id,
-            tokens=tuple(SampledToken(request_id=request_id, token_id=token, output_index=by_id[request_id].output_index)
-                         for request_id, token in outcome.tokens.items()),
-            errors=tuple(outcome.errors), kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free,
-            step_seconds=outcome.seconds,
-        )
+        return plan_result(plan, outcome, self.worker_id, self.engine.kv_cache)
 
     async def serve(self, stop_event: asyncio.Event) -> None:
         stream = keys.plan_stream(self.worker_id)
@@ -234,6 +228,29 @@ class Worker:
                          for request_id in dict.fromkeys(item.request_id for item in plan.items)),
             kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=0.0,
         )
+
+
+def plan_result(plan: BatchPlan, outcome: StepOutcome, worker_id: str, kv: PagedKVCache) -> PlanResult:
+    """What a worker answers for a plan it ran."""
+    by_id = {item.request_id: item for item in plan.items}
+    tokens = []
+    for request_id, token in outcome.tokens.items():
+        logprobs = outcome.logprobs.get(request_id)
+        tokens.append(SampledToken(
+            request_id=request_id, token_id=token, output_index=by_id[request_id].output_index,
+            logprob=None if logprobs is None else finite(logprobs.logprob),
+            top_logprobs=() if logprobs is None else tuple((top_id, finite(value)) for top_id, value in logprobs.top)))
+    return PlanResult(
+        scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=worker_id, tokens=tuple(tokens),
+        errors=tuple(ItemError(request_id=error.request_id, code=error.code, message=error.message)
+                     for error in outcome.errors),
+        kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=outcome.seconds,
+    )
+
+
+def finite(logprob: float) -> float:
+    """A log-probability the wire takes (no NaN or infinity: a broken row reads as impossible)."""
+    return logprob if math.isfinite(logprob) else -9999.0
 
 
 def new_worker_id() -> str:

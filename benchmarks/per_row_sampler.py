@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, with per-request seeded randomness.
+"""The per-row sampler the engine used before services/worker/sampler.py, kept only as the baseline
+of benchmarks/sampling.py: greedy, temperature, top-k, top-p, with per-request seeded randomness.
 
 The randomness of output token k of a request is drawn from a generator seeded by
 (seed, k) alone, on the CPU: the same request samples the same tokens whatever else is in

@@ -1,0 +1,329 @@
+"""The engine on a GPU: correctness against the CPU, CUDA graphs against eager, and decode speed
+beside the HBM roofline (issue: the hot path at accelerator speed).
+
+Runs where only torch and numpy are installed (the lent device machine has no pydantic, redis or
+gguf): random weights of a model's shape, the engine driven directly. Every check prints one line
+PASS/FAIL; the benchmark prints a markdown table; all of it is written as JSON to --out (default
+$OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json).
+
+    python3 benchmarks/gpu_check.py                  # on the device machine: about 3-5 minutes
+    .venv/bin/python benchmarks/gpu_check.py --cpu   # the same checks on this CPU, small sizes
+
+Checks:
+1. float32, SmolLM2-135M's shape: the engine on CUDA gives the CPU engine's greedy tokens over 24
+   steps for 4 prompts (TF32 off), logits within 1e-3 absolute (different kernels, same math).
+2. bfloat16 on CUDA against float32 on the CPU: logits within 0.05 absolute (bf16 keeps 8 bits
+   of mantissa; logits of these random weights are about +-1), agreement of the top-1 token >= 90%.
+3. Decode steps replayed from CUDA graphs equal the same steps run eagerly (logits within 1e-3,
+   same tokens), over batch sizes that need padding and contexts that cross a bucket.
+Benchmark: decode tok/s at batch 1, 16 and 64 (context ~256), eager and with CUDA graphs, for
+SmolLM2-135M's and Llama-3.2-1B's shapes in bfloat16, beside the roofline: (weight bytes + KV
+bytes read per step) / memory bandwidth.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.worker.engine import Engine  # noqa: E402  (torch and numpy only)
+from services.worker.kv_cache import PagedKVCache  # noqa: E402
+from services.worker.model import Llama  # noqa: E402
+from shared.model_file import ModelConfig  # noqa: E402
+
+SMOLLM2 = ModelConfig(n_layers=30, hidden_size=576, ffn_size=1536, n_heads=9, n_kv_heads=3, head_dim=64,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, vocab_size=49152, context_length=8192)
+LLAMA_1B = ModelConfig(n_layers=16, hidden_size=2048, ffn_size=8192, n_heads=32, n_kv_heads=8, head_dim=64,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, vocab_size=128256, context_length=8192)
+# Published HBM bandwidth (bytes/s) by device name; a measured copy is used when the name is unknown.
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Item:  # what a plan's StepItem carries (the engine reads these attributes)
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    sample: bool
+    output_index: int
+    feeds_sampled: bool = False
+
+
+@dataclass(frozen=True)
+class Greedy:  # a SamplingParams at its defaults: temperature 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    logprobs: int = -1
+
+
+def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Weights in the GGUF's names, made on the device (a 1B model made on the host takes long)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator, device=device, dtype=torch.float32) * scale).to(dtype)
+
+    def norm(size: int) -> torch.Tensor:
+        return (1 + randn(size, scale=0.1)).to(dtype)
+
+    hidden, q_rows, kv_rows = config.hidden_size, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    weights = {"token_embd.weight": randn(config.vocab_size, hidden, scale=1.0), "output_norm.weight": norm(hidden)}
+    for i in range(config.n_layers):
+        weights |= {
+            f"blk.{i}.attn_norm.weight": norm(hidden), f"blk.{i}.ffn_norm.weight": norm(hidden),
+            f"blk.{i}.attn_q.weight": randn(q_rows, hidden), f"blk.{i}.attn_k.weight": randn(kv_rows, hidden),
+            f"blk.{i}.attn_v.weight": randn(kv_rows, hidden), f"blk.{i}.attn_output.weight": randn(hidden, q_rows),
+            f"blk.{i}.ffn_gate.weight": randn(config.ffn_size, hidden),
+            f"blk.{i}.ffn_up.weight": randn(config.ffn_size, hidden),
+            f"blk.{i}.ffn_down.weight": randn(hidden, config.ffn_size),
+        }
+    return weights
+
+
+def make_engine(config: ModelConfig, device: torch.device, dtype: torch.dtype, weights: dict, kv_blocks: int,
+                graphs: bool = False, max_batch: int = 64, compile: bool = False) -> Engine:
+    model = Llama(config, weights, device, dtype, compile=compile)
+    kv_cache = PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, kv_blocks, BLOCK_SIZE, device, dtype,
+                            max_rows=max_batch, max_blocks_per_row=-(-config.context_length // BLOCK_SIZE),
+                            scratch_block=graphs)
+    workspace = 65536 if device.type == "cpu" else 0
+    return Engine(model, kv_cache, "batched", workspace, max_batch, static_decode=graphs)
+
+
+def prompts(count: int, length: int, vocab_size: int, seed: int = 1) -> list[list[int]]:
+    generator = np.random.default_rng(seed)
+    return [generator.integers(0, vocab_size, size=length).tolist() for _ in range(count)]
+
+
+def run_greedy(engine: Engine, prompt_ids: list[list[int]], steps: int) -> tuple[dict, dict]:
+    """Prefill every prompt in one step, then `steps` decode steps of the whole batch: tokens and
+    logits ([steps + 1, V] float32 on the host) per request."""
+    engine.reset()
+    ids = [f"r{index}" for index in range(len(prompt_ids))]
+    for request_id in ids:
+        engine.add_request(request_id, Greedy())
+    outcome = engine.step([Item(request_id, tuple(prompt), 0, True, 0) for request_id, prompt in zip(ids, prompt_ids)],
+                          return_logits=True)
+    tokens = {request_id: [outcome.tokens[request_id]] for request_id in ids}
+    logits = {request_id: [outcome.logits[request_id]] for request_id in ids}
+    for step in range(1, steps + 1):
+        items = [Item(request_id, (tokens[request_id][-1],), len(prompt) + step - 1, True, step)
+                 for request_id, prompt in zip(ids, prompt_ids)]
+        outcome = engine.step(items, return_logits=True)
+        for request_id in ids:
+            tokens[request_id].append(outcome.tokens[request_id])
+            logits[request_id].append(outcome.logits[request_id])
+    engine.reset()
+    return tokens, {request_id: torch.stack(rows) for request_id, rows in logits.items()}
+
+
+def compare(name: str, reference: tuple[dict, dict], other: tuple[dict, dict], atol: float,
+            min_agreement: float = 1.0) -> dict:
+    tokens_a, logits_a = reference
+    tokens_b, logits_b = other
+    worst = max(float((logits_a[key] - logits_b[key]).abs().max()) for key in logits_a)
+    same = sum(a == b for key in tokens_a for a, b in zip(tokens_a[key], tokens_b[key]))
+    total = sum(len(tokens_a[key]) for key in tokens_a)
+    agreement = same / total
+    passed = worst <= atol and agreement >= min_agreement
+    print(f"{'PASS' if passed else 'FAIL'} {name}: max |logit difference| {worst:.2e} (tolerance {atol:g}), "
+          f"top-1 agreement {agreement:.1%} (at least {min_agreement:.0%})", flush=True)
+    return {"check": name, "passed": passed, "max_abs_logit_difference": worst, "tolerance": atol,
+            "token_agreement": agreement}
+
+
+def teacher_forced(engine: Engine, prompt_ids: list[list[int]], forced: dict) -> tuple[dict, dict]:
+    """Like run_greedy, but every request feeds the given tokens (so logits stay comparable even
+    where a lower precision picks another token)."""
+    engine.reset()
+    ids = list(forced)
+    for request_id in ids:
+        engine.add_request(request_id, Greedy())
+    outcome = engine.step([Item(request_id, tuple(prompt), 0, True, 0) for request_id, prompt in zip(ids, prompt_ids)],
+                          return_logits=True)
+    tokens = {request_id: [outcome.tokens[request_id]] for request_id in ids}
+    logits = {request_id: [outcome.logits[request_id]] for request_id in ids}
+    for step in range(1, len(forced[ids[0]])):
+        items = [Item(request_id, (forced[request_id][step - 1],), len(prompt) + step - 1, True, step)
+                 for request_id, prompt in zip(ids, prompt_ids)]
+        outcome = engine.step(items, return_logits=True)
+        for request_id in ids:
+            tokens[request_id].append(outcome.tokens[request_id])
+            logits[request_id].append(outcome.logits[request_id])
+    engine.reset()
+    return tokens, {request_id: torch.stack(rows) for request_id, rows in logits.items()}
+
+
+def checks(device: torch.device, quick: bool) -> list[dict]:
+    results = []
+    config = SMOLLM2
+    cpu = torch.device("cpu")
+    steps = 8 if quick else 24
+    prompt_ids = prompts(4, 40 if quick else 100, config.vocab_size)
+    cpu_weights = random_weights(config, cpu, torch.float32)
+    reference_engine = make_engine(config, cpu, torch.float32, cpu_weights, kv_blocks=256)
+    reference = run_greedy(reference_engine, prompt_ids, steps)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        weights = {name: tensor.to(device) for name, tensor in cpu_weights.items()}
+        fp32 = make_engine(config, device, torch.float32, weights, kv_blocks=256)
+        results.append(compare("float32 CUDA vs CPU (greedy tokens, logits)", reference, run_greedy(fp32, prompt_ids, steps),
+                               atol=1e-3))
+        del fp32
+        bf16 = make_engine(config, device, torch.bfloat16, weights, kv_blocks=256)
+        results.append(compare("bfloat16 CUDA vs float32 CPU (teacher-forced logits)", reference,
+                               teacher_forced(bf16, prompt_ids, reference[0]), atol=0.05, min_agreement=0.9))
+        del bf16, weights
+    graph_device, dtype = (device, torch.bfloat16) if device.type == "cuda" else (cpu, torch.float32)
+    weights = {name: tensor.to(graph_device) for name, tensor in cpu_weights.items()}
+    eager = make_engine(config, graph_device, dtype, weights, kv_blocks=512, max_batch=32)
+    graphed = make_engine(config, graph_device, dtype, weights, kv_blocks=512, graphs=True, max_batch=32)
+    for size in (3, 13):  # padded to buckets 4 and 16; 60 + 24 steps crosses the 64-token context bucket
+        batch_prompts = prompts(size, 60, config.vocab_size, seed=size)
+        eager_run = run_greedy(eager, batch_prompts, steps)
+        graph_run = run_greedy(graphed, batch_prompts, steps)
+        what = "CUDA graph replay" if device.type == "cuda" else "static decode (no capture: CPU)"
+        results.append(compare(f"{what} vs eager, batch {size}", eager_run, graph_run, atol=1e-3 if dtype == torch.float32 else 0.02))
+    results.append({"check": "graphs captured", "passed": graphed.graphs.captured > 0 or device.type != "cuda",
+                    "captured": graphed.graphs.captured, "decode_steps_in_fixed_shapes": graphed.graphs.steps})
+    print(f"{'PASS' if results[-1]['passed'] else 'FAIL'} graphs: {graphed.graphs.captured} captured, "
+          f"{graphed.graphs.steps} decode steps in fixed shapes", flush=True)
+    return results
+
+
+def bandwidth(device: torch.device) -> tuple[float, str]:
+    if device.type != "cuda":
+        return 0.0, "none (CPU)"
+    name = torch.cuda.get_device_name(device)
+    for key, value in BANDWIDTH.items():
+        if key in name:
+            return value, f"{name}: published {value / 1e12:.2f} TB/s"
+    data = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    copy = torch.empty_like(data)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        copy.copy_(data)
+    torch.cuda.synchronize()
+    measured = 2 * 10 * data.numel() / (time.perf_counter() - started)
+    return measured, f"{name}: measured copy {measured / 1e12:.2f} TB/s"
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes a decode step reads: every projection, the LM head (the embedding, tied) and the norms."""
+    element = torch.finfo(dtype).bits // 8
+    hidden, q, kv = config.hidden_size, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.ffn_size + 2 * hidden
+    return element * (config.n_layers * per_layer + config.vocab_size * hidden + hidden)
+
+
+def decode_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
+    engine.reset()
+    prompt_ids = prompts(batch, context, engine.config.vocab_size, seed=batch)
+    last = {}
+    for index, prompt in enumerate(prompt_ids):
+        engine.add_request(str(index), Greedy())
+    outcome = engine.step([Item(str(index), tuple(prompt), 0, True, 0) for index, prompt in enumerate(prompt_ids)])
+    last = outcome.tokens
+    for warm in range(1, 4):  # captures happen here, uncounted
+        outcome = engine.step([Item(key, (last[key],), context + warm - 1, True, warm) for key in last])
+        last = outcome.tokens
+    synchronize(engine)
+    started = time.perf_counter()
+    for step in range(4, 4 + steps):
+        outcome = engine.step([Item(key, (last[key],), context + step - 1, True, step) for key in last])
+        last = outcome.tokens
+    synchronize(engine)
+    elapsed = time.perf_counter() - started
+    engine.reset()
+    return elapsed / steps
+
+
+def synchronize(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def benchmark(device: torch.device, quick: bool) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    speed, source = bandwidth(device)
+    shapes = [("SmolLM2-135M", SMOLLM2)] + ([] if quick else [("Llama-3.2-1B", LLAMA_1B)])
+    batches = (1, 4) if quick else (1, 16, 64)
+    context, steps = (64, 4) if quick else (256, 32)
+    for name, config in shapes:
+        weights = random_weights(config, device, dtype)
+        kv_blocks = (max(batches) * (context + steps + 8)) // BLOCK_SIZE + max(batches) + 8
+        for graphs in ((False, True) if device.type == "cuda" else (False,)):
+            engine = make_engine(config, device, dtype, weights, kv_blocks=kv_blocks, graphs=graphs,
+                                 max_batch=max(batches))
+            for batch in batches:
+                seconds = decode_seconds(engine, batch, context, steps)
+                kv_read = batch * context * 2 * config.n_layers * config.n_kv_heads * config.head_dim * (
+                    torch.finfo(dtype).bits // 8)
+                roofline = batch * speed / (weight_bytes(config, dtype) + kv_read) if speed else None
+                row = {"model": name, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
+                       "batch": batch, "context": context, "step_ms": 1000 * seconds, "tok_per_s": batch / seconds,
+                       "roofline_tok_per_s": roofline}
+                rows.append(row)
+                print(f"{name} graphs={graphs} batch={batch}: {1000 * seconds:.2f} ms/step, {batch / seconds:.0f} tok/s"
+                      + (f" (roofline {roofline:.0f}, {batch / seconds / roofline:.0%})" if roofline else ""), flush=True)
+            del engine
+        del weights
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\nBandwidth: {source}\n")
+    print("| model | CUDA graphs | batch | ms/step | tok/s | roofline tok/s | of roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        roofline = row["roofline_tok_per_s"]
+        of_roofline = f"{row['tok_per_s'] / roofline:.0%}" if roofline else "-"
+        roofline_text = f"{roofline:.0f}" if roofline else "-"
+        print(f"| {row['model']} {row['dtype']} | {'yes' if row['cuda_graphs'] else 'no'} | {row['batch']} | "
+              f"{row['step_ms']:.2f} | {row['tok_per_s']:.0f} | {roofline_text} | {of_roofline} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (small sizes) even if CUDA is there")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    quick = device.type == "cpu"
+    if quick:
+        torch.set_num_threads(min(4, os.cpu_count() or 1))
+    started = time.time()
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'CPU'}"
+          f"{' (quick sizes: no GPU)' if quick else ''}", flush=True)
+    report = {"device": str(device), "torch": torch.__version__, "checks": checks(device, quick),
+              "benchmark": benchmark(device, quick), "seconds": round(time.time() - started, 1)}
+    out = args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
+                       Path(__file__).resolve().parent / "results" / f"gpu_check{'_cpu' if quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    failed = [check["check"] for check in report["checks"] if not check["passed"]]
+    print(f"\n{len(report['checks']) - len(failed)} of {len(report['checks'])} checks passed "
+          f"in {report['seconds']} s; written to {out}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
