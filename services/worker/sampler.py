@@ -175,9 +175,9 @@ class SamplingRows:
             values = {name: getattr(request, name, default) for name, default in _DEFAULTS.items()}
             values["output_index"] = output_index
             values["logprobs"] = max(-1, values["logprobs"])  # SamplingParams: -1 none, n >= 0 chosen + n top
+            _check(values)
             if values["temperature"] < GREEDY_BELOW:
                 values["temperature"] = 0.0
-            _check(values)
             for name, value in values.items():
                 host[name].append(value)
         device = torch.device(device)
