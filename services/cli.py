@@ -39,6 +39,9 @@ SERVICE_OPTIONS = {
     "--attention": ("attention", str, "batched or per_request (Orca's reference path)"),
     "--compile": ("compile", bool, "torch.compile the flattened non-attention ops of each step"),
     "--cuda-graphs": ("cuda_graphs", bool, "CUDA: replay decode-only steps from CUDA graphs (bucketed sizes)"),
+    "--executor": ("executor", str, "engine (the model) or emulated (a benchmarking instrument: no model, steps "
+                                    "take a hardware profile's time)"),
+    "--hardware": ("hardware", str, "--executor emulated: a profile name in profiles/ or a path to one"),
     "--decode-workspace-tokens": ("decode_workspace_tokens", int,
                                   "contiguous decode KV kept across steps, in tokens (default 65536; 0: off)"),
     "--worker-id": ("worker_id", str, "this worker's id (default: drawn at start)"),

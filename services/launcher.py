@@ -116,6 +116,16 @@ def data_directory() -> Path:
 
 
 def run_up(settings: Settings) -> int:
+    if settings.executor == "emulated":  # a bad profile is said once, here, not by every worker restart
+        from services.worker.hardware import ProfileError, load_profile
+
+        try:
+            profile = load_profile(settings.hardware)
+        except ProfileError as error:
+            log.error("event=bad_hardware_profile error=%s", error)
+            return 2
+        log.warning("event=emulated_executor hardware=%s note=EMULATED workers: no model runs, steps take the "
+                    "time the profile gives (a benchmarking instrument)", profile.name)
     stop_requested = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop_requested.set())

@@ -49,6 +49,10 @@ class Settings(BaseModel):
     compile: bool = False
     # CUDA only: decode-only steps padded to bucketed sizes and replayed from captured CUDA graphs.
     cuda_graphs: bool = False
+    # "emulated": no model, steps take the time a hardware profile's roofline gives (a benchmarking
+    # instrument for the control plane; services/worker/emulated.py). Never the default.
+    executor: Literal["engine", "emulated"] = "engine"
+    hardware: str = ""  # the emulated executor's profile: a name in profiles/ or a path
     # Batched attention keeps decoding requests' KV in contiguous rows across steps (no gather
     # per step); at most this many tokens (rows x context; 46 KB each for SmolLM2 in float32).
     # 0: gather from the paged pool at every step.

@@ -152,6 +152,9 @@ class WorkerInfo(Frozen):
     draining: bool = False  # stopping: takes no new requests
     started_at: float
     heartbeat_at: float
+    executor: Literal["engine", "emulated"] = "engine"  # emulated: no model runs (a benchmarking instrument)
+    hardware: str = ""  # the emulated executor's profile
+    busy_seconds: float = Field(0.0, ge=0)  # time inside steps since it started: busy fraction = its rate of change
 
 
 class SchedulerInfo(Frozen):

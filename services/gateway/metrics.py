@@ -55,6 +55,10 @@ class GatewayMetrics:
         self.kv_blocks_free = Gauge(
             "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=registry
         )
+        self.busy_seconds = Gauge(
+            "iterserve_worker_busy_seconds", "Seconds each worker spent inside steps since it started (emulated "
+            "workers: the profile's step times)", ["worker_id", "executor"], registry=registry
+        )
         self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=registry)
 
     def observe_cluster(self, view: ClusterView | None) -> None:
@@ -66,8 +70,10 @@ class GatewayMetrics:
         self.running.set(view.scheduler.running if view.scheduler else 0)
         self.live_workers.set(len(view.live_worker_ids))
         self.kv_blocks_free.clear()
+        self.busy_seconds.clear()
         for worker in view.workers:
             self.kv_blocks_free.labels(worker.worker_id).set(worker.kv_blocks_free)
+            self.busy_seconds.labels(worker.worker_id, worker.executor).set(worker.busy_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

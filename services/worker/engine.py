@@ -14,7 +14,6 @@ only host synchronisation in a step is fetching the sampled tokens at its end.
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -23,10 +22,11 @@ import torch
 from services.worker.attention import AttentionMode, StepLayout, build_batch
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.decode_workspace import DecodeWorkspace
-from services.worker.kv_cache import KVCacheFull, PagedKVCache
+from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
 from services.worker.sampler import PenaltyHistory, sample
 from services.worker.sampling_table import SamplingTable
+from services.worker.rows import RequestRows, StepColumns, StepOutcome, TokenLogprobs, has_penalty
 from services.worker.staging import Staging
 from shared.model_file import ModelConfig
 
@@ -37,32 +37,6 @@ if TYPE_CHECKING:  # the engine imports only torch and numpy: it runs where the 
 log = logging.getLogger("iterserve.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ItemRefusal:
-    """An item the engine did not run, and why (the worker sends it on as an ItemError)."""
-
-    request_id: str
-    code: str  # kv_cache_full, unknown_request or bad_item
-    message: str
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """The chosen token's log-probability and the most likely tokens', from the raw logits."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
-
-
-@dataclass
-class StepOutcome:
-    tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
-    errors: list[ItemRefusal] = field(default_factory=list)  # items that did not run
-    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # when asked: [V] float32
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked for them
-    seconds: float = 0.0
 
 
 def pick_device(name: str) -> torch.device:
@@ -91,27 +65,21 @@ DECODE_WORKSPACE_TOKENS = 65536
 MAX_BATCH_SIZE = 64
 
 
-class Engine:
+class Engine(RequestRows):
     def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched",
                  decode_workspace_tokens: int = DECODE_WORKSPACE_TOKENS, max_batch_size: int = MAX_BATCH_SIZE,
                  static_decode: bool = False):
         """static_decode: decode-only steps in fixed shapes (DecodeGraphs), captured as CUDA graphs
         on CUDA; the KV cache needs a scratch block for it."""
-        self.model, self.kv_cache, self.attention = model, kv_cache, attention
+        super().__init__(kv_cache, model.config.context_length, model.config.vocab_size)
+        self.model, self.attention = model, attention
         self.config: ModelConfig = model.config
+        self.executor = "engine"
+        self.device_name = str(model.device)
         device = model.device
-        self.max_rows = kv_cache.block_tables.shape[0]
-        self._row_of: dict[str, int] = {}
-        self._request_of: list[str | None] = [None] * self.max_rows
-        self._free_rows = list(range(self.max_rows - 1, -1, -1))  # a stack: lowest rows first
-        self._params: list["SamplingParams | None"] = [None] * self.max_rows
         self._sampling = SamplingTable(self.max_rows, device)
-        self._refused: dict[str, str] = {}  # requests add_request could not take, and why
-        # The token each row sampled last, on the device (fed from there by pipelined plans), its
-        # output index and a host copy (known once the step that sampled it has synchronised).
+        # The token each row sampled last, on the device: a pipelined plan feeds it from there.
         self.last_token = torch.zeros(self.max_rows, dtype=torch.long, device=device)
-        self._last_output_index = np.full(self.max_rows, -1, dtype=np.int64)
-        self._last_token_host = np.zeros(self.max_rows, dtype=np.int64)
         self._fed: dict[int, list[int]] = {}  # rows with penalties: every token fed (prompt + output)
         self._staging = Staging(device)
         self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens, rows_hint=max_batch_size)
@@ -155,43 +123,20 @@ class Engine:
                             max_blocks_per_row=-(-config.context_length // settings.kv_block_size),
                             scratch_block=scratch_block)
 
-    # Requests
+    # Requests (the rows themselves: services/worker/rows.py)
 
-    def add_request(self, request_id: str, sampling: "SamplingParams") -> None:
-        """Give a request a row (or new sampling parameters, if it has one)."""
-        row = self._row_of.get(request_id)
-        if row is None:
-            if not self._free_rows:
-                self._refused[request_id] = f"the worker already holds {self.max_rows} requests (max_batch_size)"
-                return
-            row = self._free_rows.pop()
-            self._row_of[request_id] = row
-            self._request_of[row] = request_id
-        self._refused.pop(request_id, None)
-        self._params[row] = sampling
+    def _row_added(self, row: int, sampling: "SamplingParams") -> None:
         self._sampling.set(row, sampling)
         if has_penalty(sampling):
             self._fed.setdefault(row, [])
         else:
             self._fed.pop(row, None)
 
-    def free(self, request_id: str) -> None:
-        """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
-        self._refused.pop(request_id, None)
-        row = self._row_of.pop(request_id, None)
-        if row is None:
-            return
-        self._free_kv(row)
-        self._request_of[row] = self._params[row] = None
-        self._last_output_index[row] = -1
+    def _row_freed(self, row: int) -> None:
         self._fed.pop(row, None)
-        self._free_rows.append(row)
 
     def reset(self) -> None:
-        for request_id in list(self._row_of):
-            self.free(request_id)
-        self._refused.clear()
-        self.kv_cache.free_all()
+        super().reset()
         if self.workspace is not None:
             self.workspace.forget()
 
@@ -200,82 +145,18 @@ class Engine:
         if self.workspace is not None:
             self.workspace.drop(row)
 
-    @property
-    def running(self) -> int:
-        return len(self._row_of)
-
-    def row(self, request_id: str) -> int | None:
-        """The request's row (in the KV cache's block tables and the per-row tensors), if it has one."""
-        return self._row_of.get(request_id)
-
-    def kv_length(self, request_id: str) -> int:
-        """Tokens of a request whose KV is written (0 when unknown)."""
-        row = self._row_of.get(request_id)
-        return 0 if row is None else int(self.kv_cache.lengths[row])
-
     # One iteration
 
     def step(self, items: Sequence["StepItem"], return_logits: bool = False) -> StepOutcome:
         started = time.perf_counter()
         outcome = StepOutcome()
-        columns = self._columns(items, outcome)
+        columns = self.columns(items, outcome)
         if columns is not None:
             self._run(columns, outcome, return_logits)
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def _columns(self, items: Sequence["StepItem"], outcome: StepOutcome) -> "StepColumns | None":
-        """The runnable items as columns, their KV blocks reserved; the others as ItemErrors."""
-        columns = StepColumns()
-        kv_cache, context_length, vocab_size = self.kv_cache, self.config.context_length, self.config.vocab_size
-        seen: set[str] = set()
-        for item in items:
-            request_id = item.request_id
-
-            def refuse(code: str, message: str) -> None:
-                outcome.errors.append(ItemRefusal(request_id, code, message))
-
-            if request_id in seen:
-                refuse("bad_item", "a request may have one item per step")
-                continue
-            seen.add(request_id)
-            row = self._row_of.get(request_id)
-            if row is None:
-                refuse("bad_item" if request_id in self._refused else "unknown_request",
-                       self._refused.get(request_id, "no sampling parameters were sent for this request"))
-                continue
-            start = item.start_position
-            if item.feeds_sampled:  # the token this worker sampled for it in the plan before
-                if item.token_ids or self._last_output_index[row] != item.output_index - 1:
-                    refuse("bad_item", f"no token sampled at output_index {item.output_index - 1} to feed")
-                    continue
-                count = 1
-            else:
-                count = len(item.token_ids)
-                if not count:
-                    refuse("bad_item", "no tokens to feed")
-                    continue
-                if min(item.token_ids) < 0 or max(item.token_ids) >= vocab_size:
-                    refuse("bad_item", "token id outside the vocabulary")
-                    continue
-            if start + count > context_length:
-                refuse("bad_item", f"exceeds the context length {context_length}")
-                continue
-            held = int(kv_cache.lengths[row])
-            if start == 0 and held:
-                self._free_kv(row)  # a rebuild from the first token
-            elif start != held:
-                refuse("bad_item", f"start_position {start} but {held} tokens are in the KV cache")
-                continue
-            try:
-                kv_cache.grow(row, start + count, request_id)
-            except KVCacheFull as full:
-                refuse("kv_cache_full", str(full))
-                continue
-            columns.add(request_id, row, start, count, item, self._last_token_host[row])
-        return columns if columns.request_ids else None
-
-    def _run(self, columns: "StepColumns", outcome: StepOutcome, return_logits: bool) -> None:
+    def _run(self, columns: StepColumns, outcome: StepOutcome, return_logits: bool) -> None:
         device, kv_cache, stage = self.model.device, self.kv_cache, self._staging.to_device
         rows, starts, counts = (np.asarray(values, dtype=np.int64) for values in
                                 (columns.rows, columns.starts, columns.counts))
@@ -316,14 +197,12 @@ class Engine:
         if not sampled.any():
             return
         sampled_rows = rows[sampled]
-        request_ids = [request_id for request_id, sample_it in zip(columns.request_ids, columns.sample) if sample_it]
         output_indices = np.asarray(columns.output_indices, dtype=np.int64)[sampled]
         sampling_rows = self._sampling.rows(sampled_rows, output_indices, config.vocab_size)
         result = sample(logits, sampling_rows, self._penalty_history(sampled_rows, output_indices, device))
         self.last_token.index_copy_(0, stage("sampled_rows", sampled_rows), result.token_ids)
         tokens = result.token_ids.cpu().numpy()  # the step's one synchronisation
-        self._last_output_index[sampled_rows] = output_indices
-        self._last_token_host[sampled_rows] = tokens
+        request_ids = self.sampled(columns, tokens)
         outcome.tokens = dict(zip(request_ids, tokens.tolist()))
         if result.logprob is not None:
             self._take_logprobs(result, request_ids, [self._params[row] for row in sampled_rows.tolist()], outcome)
@@ -331,7 +210,7 @@ class Engine:
             for index, request_id in enumerate(request_ids):
                 outcome.logits[request_id] = logits[index].float().cpu()
 
-    def _remember_fed(self, columns: "StepColumns") -> None:
+    def _remember_fed(self, columns: StepColumns) -> None:
         """Rows with penalties keep every token fed: their prompt and output so far."""
         if not self._fed:
             return
@@ -364,40 +243,3 @@ class Engine:
                 continue
             top = tuple(zip(top_ids[index][:wanted], top_logprobs[index][:wanted]))
             outcome.logprobs[request_id] = TokenLogprobs(chosen[index], top)
-
-
-@dataclass(eq=False)
-class StepColumns:
-    """The runnable items of one step as columns, in item order."""
-
-    request_ids: list[str] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    output_indices: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # flattened; a fed-from-device token holds 0
-    feed_positions: list[int] = field(default_factory=list)  # where in token_ids a sampled token goes
-    feed_rows: list[int] = field(default_factory=list)  # and whose
-    fed_tokens: list[tuple[int, ...]] = field(default_factory=list)  # each item's tokens, as the host knows them
-
-    def add(self, request_id: str, row: int, start: int, count: int, item: "StepItem", last_token: int) -> None:
-        self.request_ids.append(request_id)
-        self.rows.append(row)
-        self.starts.append(start)
-        self.counts.append(count)
-        self.sample.append(item.sample)
-        self.output_indices.append(item.output_index)
-        if item.feeds_sampled:
-            self.feed_positions.append(len(self.token_ids))
-            self.feed_rows.append(row)
-            self.token_ids.append(0)
-            self.fed_tokens.append((int(last_token),))
-        else:
-            self.token_ids.extend(item.token_ids)
-            self.fed_tokens.append(item.token_ids)
-
-
-def has_penalty(params: "SamplingParams") -> bool:
-    return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
-            or getattr(params, "repetition_penalty", 1.0) != 1)

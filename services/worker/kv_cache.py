@@ -19,27 +19,21 @@ class KVCacheFull(Exception):
         self.request, self.blocks_needed, self.blocks_free = request, blocks_needed, blocks_free
 
 
-class PagedKVCache:
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_rows: int, max_blocks_per_row: int,
+class BlockTables:
+    """Which blocks of the pool each request row holds: the paged KV's bookkeeping, no tensors (the
+    emulated executor keeps exactly this, services/worker/emulated.py)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_rows: int, max_blocks_per_row: int,
                  scratch_block: bool = False):
         """scratch_block: one more block, owned by nobody, where padding rows of fixed-shape decode
         steps (services/worker/decode_graphs.py) write their K/V."""
         self.block_size = block_size
         self.blocks_total = num_blocks
-        self.device = device
         self.scratch_slot = num_blocks * block_size if scratch_block else None
-        shape = (n_layers, (num_blocks + scratch_block) * block_size, n_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [layers, slots, Hkv, D]
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
         self.block_tables = np.zeros((max_rows, max_blocks_per_row), dtype=np.int64)  # row -> its blocks
         self.blocks_held = np.zeros(max_rows, dtype=np.int64)  # valid entries of each row's table
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # tokens of each row whose KV is written
-        # The tables on the device, for kernels that read the pool in place (CUDA); rows are copied
-        # when they change. On the CPU the host array is the table.
-        self.device_block_tables = (torch.zeros(self.block_tables.shape, dtype=torch.int32, device=device)
-                                    if device.type == "cuda" else None)
 
     @property
     def blocks_free(self) -> int:
@@ -63,9 +57,10 @@ class PagedKVCache:
         for index in range(held, held + needed):
             self.block_tables[row, index] = self._free_blocks.pop()
         self.blocks_held[row] = held + needed
-        if self.device_block_tables is not None:
-            self.device_block_tables[row, held : held + needed] = torch.from_numpy(
-                self.block_tables[row, held : held + needed])
+        self._table_grew(row, held, held + needed)
+
+    def _table_grew(self, row: int, start: int, end: int) -> None:
+        """Entries start .. end-1 of a row's table were just written."""
 
     def block_table(self, row: int) -> np.ndarray:
         return self.block_tables[row, : self.blocks_held[row]]
@@ -85,6 +80,27 @@ class PagedKVCache:
         for row in np.flatnonzero(self.blocks_held).tolist():
             self.free(row)
         self.lengths[:] = 0
+
+
+class PagedKVCache(BlockTables):
+    """The pool itself: K and V of every layer as [layers, slots, Hkv, D] tensors."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, max_rows: int, max_blocks_per_row: int,
+                 scratch_block: bool = False):
+        super().__init__(num_blocks, block_size, max_rows, max_blocks_per_row, scratch_block)
+        self.device = device
+        shape = (n_layers, (num_blocks + scratch_block) * block_size, n_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [layers, slots, Hkv, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        # The tables on the device, for kernels that read the pool in place (CUDA); rows are copied
+        # when they change. On the CPU the host array is the table.
+        self.device_block_tables = (torch.zeros(self.block_tables.shape, dtype=torch.int32, device=device)
+                                    if device.type == "cuda" else None)
+
+    def _table_grew(self, row: int, start: int, end: int) -> None:
+        if self.device_block_tables is not None:
+            self.device_block_tables[row, start:end] = torch.from_numpy(self.block_tables[row, start:end])
 
     def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new K and V ([T, Hkv, D]) at their slots ([T])."""

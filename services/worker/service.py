@@ -25,7 +25,8 @@ import uuid
 import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
-from services.worker.engine import Engine, StepOutcome
+from services.worker.engine import Engine
+from services.worker.rows import StepOutcome
 from services.worker.kv_cache import PagedKVCache
 from shared import keys
 from shared.config import Settings, threads_per_worker
@@ -65,7 +66,8 @@ class Worker:
         self.started_at = time.time()
         self.scheduler_epoch = ""
         self.draining = False
-        self.device = str(engine.model.device)
+        self.device = engine.device_name
+        self.busy_seconds = 0.0  # inside steps, since it started
         self._heartbeat_stop = asyncio.Event()
         self._consecutive_oom = 0
 
@@ -75,7 +77,9 @@ class Worker:
             worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), device=self.device,
             kv_block_size=kv.block_size, kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free,
             running=self.engine.running, draining=self.draining, started_at=self.started_at,
-            heartbeat_at=time.time(),
+            heartbeat_at=time.time(), executor=self.engine.executor,
+            hardware=self.engine.profile.name if self.engine.executor == "emulated" else "",
+            busy_seconds=self.busy_seconds,
         )
 
     async def beat(self) -> None:
@@ -191,6 +195,7 @@ class Worker:
             return
         try:
             result = await asyncio.to_thread(self.execute, plan)
+            self.busy_seconds += result.step_seconds
             self._consecutive_oom = 0
         except Exception as failure:
             # Every item's own problem is a typed ItemError inside the result; an exception is the
@@ -257,9 +262,39 @@ def new_worker_id() -> str:
     return f"worker-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+class EmulatedLogLines(logging.Filter):
+    """Every log line of an emulated worker says so: its numbers are a profile's, not a model's."""
+
+    def __init__(self, hardware: str) -> None:
+        super().__init__()
+        self.prefix = f"EMULATED[{hardware}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.prefix):
+            record.msg = self.prefix + str(record.msg)
+        return True
+
+
+def make_engine(settings: Settings):
+    """The worker's executor: the model (the default), or the emulated one (a benchmarking
+    instrument) with its hardware profile; a bad profile stops the worker with a clear message."""
+    if settings.executor == "emulated":
+        from services.worker.emulated import EmulatedEngine
+        from services.worker.hardware import ProfileError
+
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(EmulatedLogLines(settings.hardware or "?"))
+        try:
+            return EmulatedEngine.from_settings(settings)
+        except ProfileError as error:
+            log.error("event=bad_hardware_profile error=%s", error)
+            raise SystemExit(f"iterserve worker: {error}") from None
+    return Engine.from_settings(settings)
+
+
 async def run_worker(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
     torch.set_num_threads(settings.threads or threads_per_worker(settings.workers))
-    engine = await asyncio.to_thread(Engine.from_settings, settings)
+    engine = await asyncio.to_thread(make_engine, settings)
     worker = Worker(settings, engine, settings.worker_id or new_worker_id())
     try:
         await worker.serve(stop_event or asyncio.Event())

@@ -1,0 +1,130 @@
+"""iterserve beside llama.cpp's llama-server on the same machine, prompts and load (issue: the hot path).
+
+Both servers run the same SmolLM2-135M GGUF (llama-server with its Q4_1 kernels, iterserve in
+float32). The load is ../shared/peers/load.py (closed loop, ~48-token prompts made unique per
+request so no prompt cache helps, 64 output tokens forced with ignore_eos, streaming), at
+concurrency 1, 4, 16 and 64, greedy and sampled (temperature 1.0, top_p 0.95); the two servers
+take turns at each mode so a slow spell of this shared machine hits both.
+
+    ../shared/peers/build-llama-server.sh                     # once, about 10 minutes
+    .venv/bin/python benchmarks/vs_llama_server.py            # about 15 minutes
+
+Writes benchmarks/results/vs_llama_server.{md,json}.
+"""
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.bench.server import ServerProcess  # noqa: E402
+from services.launcher import die_with_parent, free_port  # noqa: E402
+from shared.model_file import locate_gguf  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = REPO.parent / "shared" / "peers"
+RESULTS = REPO / "benchmarks" / "results"
+LEVELS = "1,4,16,64"
+MODES = {"greedy": [], "sampled": ["--temperature", "1.0", "--top-p", "0.95"]}
+
+
+class LlamaServer:
+    def __init__(self, binary: Path, threads: int, slots: int):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [str(binary), "-m", str(locate_gguf()), "-a", "smollm2", "--host", "127.0.0.1",
+                        "--port", str(self.port), "-c", str(256 * slots), "--parallel", str(slots), "--cont-batching",
+                        "-t", str(threads), "-tb", str(threads)]
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LlamaServer":
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {Path(self.log.name).read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def load(script: Path, url: str, model: str, mode: str, seed_offset: int, out: Path) -> list[dict]:
+    command = [sys.executable, str(script), "--url", url, "--model", model, "--levels", LEVELS, "--mult", "2",
+               "--max-tokens", "64", "--force", "ignore_eos", "--seed-offset", str(seed_offset),
+               "--json-out", str(out), *MODES[mode]]
+    subprocess.run(command, check=True, timeout=3600, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", type=Path,
+                        default=Path.home() / ".cache/iterserve-peers/llama-server/build/bin/llama-server")
+    parser.add_argument("--load-script", type=Path, default=PEERS / "load.py")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not args.llama_server.exists():
+        sys.exit(f"no llama-server at {args.llama_server}: build it with {PEERS / 'build-llama-server.sh'}")
+    started = time.time()
+    results: dict[str, list[dict]] = {}  # "server mode" -> load.py's row per concurrency level
+    scratch = Path(tempfile.mkdtemp(prefix="vs-llama-"))
+    with ServerProcess(workers=1, threads=args.threads) as iterserve, LlamaServer(args.llama_server, args.threads, 64) as llama:
+        for offset, mode in enumerate(MODES):  # the servers take turns; fresh prompts every run
+            for name, url, model in (("iterserve", iterserve.url, "smollm2-135m-instruct"), ("llama-server", llama.url, "smollm2")):
+                print(f"{name} {mode} ...", flush=True)
+                results[f"{name} {mode}"] = load(args.load_script, url, model, mode, 1000 * (offset + 1) + len(results),
+                                                 scratch / f"{name}-{mode}.json")
+    lines = [f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
+             f"server, load average at the end {os.getloadavg()[0]:.2f}; "
+             f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
+             "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up` (1 worker, float32).",
+             "", "| server | mode | output tok/s at concurrency 1 / 4 / 16 / 64 | mean TTFT at 16 (s) |", "|---|---|---|---|"]
+    for key, report in results.items():
+        levels = {level["concurrency"]: level for level in report}
+        tps = " / ".join(f"{levels[c]['tok_s']:.1f}" for c in (1, 4, 16, 64))
+        lines.append(f"| {key.split()[0]} | {key.split()[1]} | {tps} | {levels[16]['ttft_mean_s']:.2f} |")
+    lines += ["", "| mode | iterserve / llama-server at 1 / 4 / 16 / 64 |", "|---|---|"]
+    for mode in MODES:
+        ours = {level["concurrency"]: level for level in results[f"iterserve {mode}"]}
+        theirs = {level["concurrency"]: level for level in results[f"llama-server {mode}"]}
+        lines.append(f"| {mode} | " + " / ".join(
+            f"{ours[c]['tok_s'] / theirs[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64)) + " |")
+    greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve {mode}"]} for mode in MODES)
+    lines += ["", "iterserve sampled / greedy at 1 / 4 / 16 / 64: " + " / ".join(
+        f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64))]
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vs_llama_server.md").write_text(text + "\n")
+    (args.out / "vs_llama_server.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

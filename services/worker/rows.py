@@ -1,0 +1,214 @@
+"""The requests a worker holds, as rows: the bookkeeping every executor shares (the engine's
+tensors and the emulated executor's clock both sit on top of it).
+
+A request gets a row when a plan introduces it and keeps it until a plan frees it; its KV block
+table is that row of the block tables, its last sampled token and output index are that row of
+per-row arrays. A step's items are checked here (unknown request, tokens outside the vocabulary,
+positions that do not follow the KV, the context length, a full pool: each a typed refusal, never
+an exception) and turned into columns, one entry per runnable item, in item order.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from services.worker.kv_cache import BlockTables, KVCacheFull
+
+if TYPE_CHECKING:
+    from shared.messages import SamplingParams, StepItem
+
+
+@dataclass(frozen=True)
+class ItemRefusal:
+    """An item the engine did not run, and why (the worker sends it on as an ItemError)."""
+
+    request_id: str
+    code: str  # kv_cache_full, unknown_request or bad_item
+    message: str
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the most likely tokens', from the raw logits."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+@dataclass
+class StepOutcome:
+    tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    errors: list[ItemRefusal] = field(default_factory=list)  # items that did not run
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # when asked: [V] float32
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked for them
+    seconds: float = 0.0
+
+
+class RequestRows:
+    """Rows of requests over a KV cache's block tables."""
+
+    def __init__(self, kv_cache: BlockTables, context_length: int, vocab_size: int):
+        self.kv_cache = kv_cache
+        self.context_length, self.vocab_size = context_length, vocab_size
+        self.max_rows = kv_cache.block_tables.shape[0]
+        self._row_of: dict[str, int] = {}
+        self._request_of: list[str | None] = [None] * self.max_rows
+        self._free_rows = list(range(self.max_rows - 1, -1, -1))  # a stack: lowest rows first
+        self._params: list["SamplingParams | None"] = [None] * self.max_rows
+        self._refused: dict[str, str] = {}  # requests add_request could not take, and why
+        # The output index and token each row sampled last (the host's copy: known once the step
+        # that sampled it is done); a pipelined plan feeds that token.
+        self._last_output_index = np.full(self.max_rows, -1, dtype=np.int64)
+        self._last_token_host = np.zeros(self.max_rows, dtype=np.int64)
+
+    def add_request(self, request_id: str, sampling: "SamplingParams") -> None:
+        """Give a request a row (or new sampling parameters, if it has one)."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                self._refused[request_id] = f"the worker already holds {self.max_rows} requests (max_batch_size)"
+                return
+            row = self._free_rows.pop()
+            self._row_of[request_id] = row
+            self._request_of[row] = request_id
+        self._refused.pop(request_id, None)
+        self._params[row] = sampling
+        self._row_added(row, sampling)
+
+    def _row_added(self, row: int, sampling: "SamplingParams") -> None:
+        """A row has (new) sampling parameters."""
+
+    def free(self, request_id: str) -> None:
+        """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
+        self._refused.pop(request_id, None)
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return
+        self._free_kv(row)
+        self._request_of[row] = self._params[row] = None
+        self._last_output_index[row] = -1
+        self._row_freed(row)
+        self._free_rows.append(row)
+
+    def _row_freed(self, row: int) -> None:
+        """A row was given up."""
+
+    def reset(self) -> None:
+        for request_id in list(self._row_of):
+            self.free(request_id)
+        self._refused.clear()
+        self.kv_cache.free_all()
+
+    def _free_kv(self, row: int) -> None:
+        self.kv_cache.free(row)
+
+    @property
+    def running(self) -> int:
+        return len(self._row_of)
+
+    def row(self, request_id: str) -> int | None:
+        """The request's row (in the KV cache's block tables and the per-row tensors), if it has one."""
+        return self._row_of.get(request_id)
+
+    def kv_length(self, request_id: str) -> int:
+        """Tokens of a request whose KV is written (0 when unknown)."""
+        row = self._row_of.get(request_id)
+        return 0 if row is None else int(self.kv_cache.lengths[row])
+
+    def columns(self, items: Sequence["StepItem"], outcome: "StepOutcome") -> "StepColumns | None":
+        """The runnable items as columns, their KV blocks reserved; the others as refusals."""
+        columns = StepColumns()
+        kv_cache, context_length, vocab_size = self.kv_cache, self.context_length, self.vocab_size
+        seen: set[str] = set()
+        for item in items:
+            request_id = item.request_id
+
+            def refuse(code: str, message: str) -> None:
+                outcome.errors.append(ItemRefusal(request_id, code, message))
+
+            if request_id in seen:
+                refuse("bad_item", "a request may have one item per step")
+                continue
+            seen.add(request_id)
+            row = self._row_of.get(request_id)
+            if row is None:
+                refuse("bad_item" if request_id in self._refused else "unknown_request",
+                       self._refused.get(request_id, "no sampling parameters were sent for this request"))
+                continue
+            start = item.start_position
+            if item.feeds_sampled:  # the token this worker sampled for it in the plan before
+                if item.token_ids or self._last_output_index[row] != item.output_index - 1:
+                    refuse("bad_item", f"no token sampled at output_index {item.output_index - 1} to feed")
+                    continue
+                count = 1
+            else:
+                count = len(item.token_ids)
+                if not count:
+                    refuse("bad_item", "no tokens to feed")
+                    continue
+                if min(item.token_ids) < 0 or max(item.token_ids) >= vocab_size:
+                    refuse("bad_item", "token id outside the vocabulary")
+                    continue
+            if start + count > context_length:
+                refuse("bad_item", f"exceeds the context length {context_length}")
+                continue
+            held = int(kv_cache.lengths[row])
+            if start == 0 and held:
+                self._free_kv(row)  # a rebuild from the first token
+            elif start != held:
+                refuse("bad_item", f"start_position {start} but {held} tokens are in the KV cache")
+                continue
+            try:
+                kv_cache.grow(row, start + count, request_id)
+            except KVCacheFull as full:
+                refuse("kv_cache_full", str(full))
+                continue
+            columns.add(request_id, row, start, count, item, self._last_token_host[row])
+        return columns if columns.request_ids else None
+
+    def sampled(self, columns: "StepColumns", tokens: np.ndarray) -> list[str]:
+        """Note the tokens the step sampled (one per sampled item, in item order); their request ids."""
+        sampled = np.asarray(columns.sample, dtype=bool)
+        rows = np.asarray(columns.rows, dtype=np.int64)[sampled]
+        self._last_output_index[rows] = np.asarray(columns.output_indices, dtype=np.int64)[sampled]
+        self._last_token_host[rows] = tokens
+        return [request_id for request_id, sample_it in zip(columns.request_ids, columns.sample) if sample_it]
+
+
+@dataclass(eq=False)
+class StepColumns:
+    """The runnable items of one step as columns, in item order."""
+
+    request_ids: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    output_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # flattened; a fed-from-device token holds 0
+    feed_positions: list[int] = field(default_factory=list)  # where in token_ids a sampled token goes
+    feed_rows: list[int] = field(default_factory=list)  # and whose
+    fed_tokens: list[tuple[int, ...]] = field(default_factory=list)  # each item's tokens, as the host knows them
+
+    def add(self, request_id: str, row: int, start: int, count: int, item: "StepItem", last_token: int) -> None:
+        self.request_ids.append(request_id)
+        self.rows.append(row)
+        self.starts.append(start)
+        self.counts.append(count)
+        self.sample.append(item.sample)
+        self.output_indices.append(item.output_index)
+        if item.feeds_sampled:
+            self.feed_positions.append(len(self.token_ids))
+            self.feed_rows.append(row)
+            self.token_ids.append(0)
+            self.fed_tokens.append((int(last_token),))
+        else:
+            self.token_ids.extend(item.token_ids)
+            self.fed_tokens.append(item.token_ids)
+
+
+def has_penalty(params: "SamplingParams") -> bool:
+    return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
+            or getattr(params, "repetition_penalty", 1.0) != 1)

@@ -1,0 +1,191 @@
+"""The emulated executor (services/worker/emulated.py) and its hardware profiles: the roofline on
+hand-computed cases, exact seeded outputs, the same KV block accounting as the real engine on the
+same plans, clear errors for bad profiles, and the whole system running on emulated workers."""
+
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from services.scheduler.policy import SchedulerPolicy
+from services.worker.emulated import FIRST_TOKEN, EmulatedEngine, emulated_token
+from services.worker.hardware import ProfileError, known_profiles, load_profile, parse_profile
+from shared.messages import PlanResult, RequestRecord, SampledToken, SamplingParams, StepItem
+from tests.engine_helpers import TINY_CONFIG, tiny_engine
+
+TOY = {  # round numbers, to compute by hand
+    "name": "toy",
+    "model": {"n_layers": 2, "hidden_size": 4, "ffn_size": 8, "n_heads": 2, "n_kv_heads": 1, "head_dim": 2,
+              "vocab_size": 10, "context_length": 100, "dtype_bytes": 2, "tied_embeddings": True},
+    "device": {"memory_bandwidth_gb_s": 1e-6, "peak_tflops": 1e-9, "memory_gb": 1e-5},  # 1000 B/s, 1000 FLOP/s
+    "efficiency": {"memory": 0.5, "compute": 0.25, "launch_ms": 1.0},
+}
+
+
+def test_the_roofline_on_hand_computed_steps():
+    profile = parse_profile(TOY)
+    # Per layer: q 4x4 + k, v 2 x 4x2 + o 4x4 + gate, up, down 3 x 4x8 = 16 + 16 + 16 + 96 = 144 parameters.
+    assert profile.model.layer_parameters == 144
+    # Read per step: 2 bytes x (2 layers x 144 + LM head 10x4 + norms (2 x 2 + 1) x 4) = 2 x 348 = 696.
+    assert profile.model.weight_bytes == 696
+    assert profile.model.kv_bytes_per_token == 16  # K and V x 2 layers x 1 head x 2 dims x 2 bytes
+    # A decode item at position 10: bytes 696 + (11 attended + 1 written) x 16 = 888 -> 888 / 500 = 1.776 s;
+    # FLOPs 2 x 2 x 144 + LM head 2 x 10 x 4 + attention 4 x 2 x 2 x 2 x 11 pairs = 576 + 80 + 352 = 1008
+    # -> 1008 / 250 = 4.032 s: compute-bound; + 1 ms launch.
+    assert profile.step_seconds([(10, 1, True)]) == pytest.approx(4.033)
+    # A 4-token prefill chunk from 0, not sampled: bytes 696 + (4 + 4) x 16 = 824 -> 1.648 s; FLOPs
+    # 4 x 576 + attention 32 x (0 + 4 x 5 / 2) = 2304 + 320 = 2624 -> 10.496 s.
+    assert profile.step_seconds([(0, 4, False)]) == pytest.approx(10.497)
+    # Both in one step: bytes 696 + (11 + 1 + 4 + 4) x 16 = 1016 -> 2.032 s; FLOPs 5 x 576 + 80 + 32 x 21
+    # = 2880 + 80 + 672 = 3632 -> 14.528 s.
+    assert profile.step_seconds([(10, 1, True), (0, 4, False)]) == pytest.approx(14.529)
+    memory_bound = parse_profile({**TOY, "device": {**TOY["device"], "peak_tflops": 1.0}})
+    assert memory_bound.step_seconds([(10, 1, True)]) == pytest.approx(1.777)
+
+
+def test_h100_llama3_8b_decodes_one_request_in_about_6_to_7_ms():
+    profile = load_profile("h100-llama3-8b")
+    assert 6e-3 <= profile.decode_step_seconds(1, 512) <= 7e-3
+    # Batching is almost free when memory-bound: 64 requests cost well under 2x one request's step.
+    assert profile.decode_step_seconds(64, 512) < 2 * profile.decode_step_seconds(1, 512)
+    steps = {name: load_profile(name).decode_step_seconds(1, 512) for name in known_profiles()}
+    assert 2e-3 < steps["h100-llama3.2-3b"] < 4e-3 and 8e-3 < steps["a100-llama3-8b"] < 12e-3, steps
+    assert steps["a100-qwen2.5-32b"] > 25e-3, steps
+
+
+def test_unknown_and_malformed_profiles_are_clear_errors_that_list_the_known_ones(tmp_path):
+    with pytest.raises(ProfileError, match="unknown hardware profile 'h900-nope'.*h100-llama3-8b"):
+        load_profile("h900-nope")
+    with pytest.raises(ProfileError, match="needed"):
+        load_profile("")
+    broken = tmp_path / "broken.json"
+    for content in ("{not json", json.dumps({**TOY, "model": {**TOY["model"], "n_layers": -2}}),
+                    json.dumps({**TOY, "efficiency": {**TOY["efficiency"], "memory": 1.5}}),
+                    json.dumps({"name": "x"})):
+        broken.write_text(content)
+        with pytest.raises(ProfileError, match="malformed hardware profile .*known profiles: a100"):
+            load_profile(str(broken))
+
+
+def test_a_worker_with_a_bad_profile_stops_at_start_naming_the_known_ones(redis_url):
+    environment = {"REDIS_URL": redis_url, "ITERSERVE_EXECUTOR": "emulated", "ITERSERVE_HARDWARE": "h900-nope",
+                   "PATH": "/usr/bin:/bin"}
+    process = subprocess.run([sys.executable, "-m", "services.cli", "worker"], env=environment, capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode != 0
+    assert "unknown hardware profile 'h900-nope'" in process.stderr and "h100-llama3-8b" in process.stderr
+    assert "Traceback" not in process.stderr
+
+
+def emulated(kv_blocks: int = 64, block_size: int = 4, vocab_size: int = 256) -> EmulatedEngine:
+    return EmulatedEngine(load_profile("h100-llama3-8b"), kv_blocks, block_size, 64, vocab_size, 512,
+                          sleep=lambda seconds: None)
+
+
+def test_emulated_tokens_depend_on_seed_and_index_only_whatever_the_batch():
+    engine = emulated()
+    seeds = [11, 12, 13, 14, 15]
+    for index, seed in enumerate(seeds):
+        engine.add_request(f"r{index}", SamplingParams(seed=seed, max_tokens=100))
+    alone = engine.step([StepItem(request_id="r0", token_ids=(1, 2, 3), start_position=0, sample=True,
+                                  output_index=0)])
+    together = engine.step([StepItem(request_id=f"r{index}", token_ids=(1, 2), start_position=0, sample=True,
+                                     output_index=0) for index in range(1, 5)])
+    assert alone.tokens["r0"] == emulated_token(11, 0, 256)
+    assert [together.tokens[f"r{index}"] for index in range(1, 5)] == [emulated_token(seed, 0, 256) for seed in seeds[1:]]
+    assert len({emulated_token(seed, index, 256) for seed in range(20) for index in range(20)}) > 170  # of 239
+    assert all(FIRST_TOKEN <= emulated_token(seed, 3, 256) < 256 for seed in range(1000))
+
+
+def test_emulated_steps_take_the_profiles_time():
+    slept = []
+    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 64, 256, 512, sleep=slept.append)
+    engine.add_request("a", SamplingParams(seed=1, max_tokens=9))
+    engine.step([StepItem(request_id="a", token_ids=tuple(range(20, 120)), start_position=0, sample=True,
+                                    output_index=0)])
+    expected = load_profile("h100-llama3-8b").step_seconds([(0, 100, True)])
+    assert slept and expected - 0.002 < slept[0] <= expected  # the host time spent already counts
+
+
+def test_kv_accounting_matches_the_real_engine_replaying_the_same_plans():
+    """One plan log (from the real scheduler policy, with preemptions under a small pool), run by
+    the real engine and by the emulated one: after every plan the same refusals, the same free
+    blocks and the same KV length for every request."""
+    real = tiny_engine(kv_blocks=24, kv_block_size=4)
+    fake = emulated(kv_blocks=24, block_size=4, vocab_size=TINY_CONFIG.vocab_size)
+    policy = SchedulerPolicy("replay", context_length=TINY_CONFIG.context_length, stop_token_ids=(), pipeline_depth=1,
+                             max_batch_size=8, max_batch_tokens=24)
+    policy.worker_up("w", kv_blocks_total=24, kv_block_size=4)
+    rng = random.Random(3)
+    for index in range(10):
+        prompt = tuple(rng.randrange(TINY_CONFIG.vocab_size) for _ in range(rng.randint(2, 20)))
+        policy.add_request(RequestRecord(request_id=f"r{index}", prompt_token_ids=prompt, arrival_time=index,
+                                         sampling=SamplingParams(seed=index, max_tokens=rng.randint(3, 12))))
+    plans = 0
+    while (plan := policy.next_plan("w")) is not None:
+        plans += 1
+        outcomes = []
+        for engine in (real, fake):
+            for request_id in plan.free_request_ids:
+                engine.free(request_id)
+            for new in plan.new_requests:
+                engine.add_request(new.request_id, new.sampling)
+            outcomes.append(engine.step(plan.items))
+        got, emulated_outcome = outcomes
+        assert [(e.request_id, e.code) for e in got.errors] == [(e.request_id, e.code) for e in emulated_outcome.errors]
+        assert real.kv_cache.blocks_free == fake.kv_cache.blocks_free, f"plan {plan.plan_id}"
+        for item in plan.items:
+            assert real.kv_length(item.request_id) == fake.kv_length(item.request_id), item.request_id
+        policy.on_result(PlanResult(
+            scheduler_epoch="replay", plan_id=plan.plan_id, worker_id="w", kv_blocks_total=24,
+            kv_blocks_free=real.kv_cache.blocks_free, step_seconds=0.0, errors=tuple(
+                _item_error(error) for error in got.errors),
+            tokens=tuple(SampledToken(request_id=request_id, token_id=token, output_index=_index(plan, request_id))
+                         for request_id, token in got.tokens.items())))
+        policy.take_finished_without_token()
+        policy.take_iteration_records()
+    assert plans > 20 and real.kv_cache.blocks_free == fake.kv_cache.blocks_free
+
+
+def _index(plan, request_id: str) -> int:
+    return next(item.output_index for item in plan.items if item.request_id == request_id)
+
+
+def _item_error(error):
+    from shared.messages import ItemError
+
+    return ItemError(request_id=error.request_id, code=error.code, message=error.message)
+
+
+@pytest.mark.slow
+def test_the_whole_system_on_emulated_workers_says_so_and_gives_exact_seeded_outputs():
+    from shared.tokenizer import Tokenizer
+    from tests.system import System
+
+    with System("--executor", "emulated", "--hardware", "h100-llama3-8b", workers=2) as system:
+        body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": 6, "seed": 42,
+                           "temperature": 0.7}).encode()
+        request = urllib.request.Request(f"{system.url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        tokenizer = Tokenizer.load()
+        expected = tokenizer.decode([emulated_token(42, index, tokenizer.vocab_size) for index in range(6)])
+        assert answer["choices"][0]["text"] == expected
+        deadline = time.monotonic() + 10
+        while True:  # /status shows each worker's last heartbeat (every 0.5 s)
+            with urllib.request.urlopen(f"{system.url}/status", timeout=10) as response:
+                workers = json.loads(response.read())["workers"]
+            if sum(w["busy_seconds"] for w in workers) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [(w["executor"], w["hardware"], w["device"]) for w in workers] == [
+            ("emulated", "h100-llama3-8b", "emulated:h100-llama3-8b")] * 2
+        assert sum(w["busy_seconds"] for w in workers) > 0, "no heartbeat counted the step's time"
+        worker_lines = [line for line in system.log().splitlines() if line.startswith("worker-")]
+        assert worker_lines and all("EMULATED[h100-llama3-8b]" in line for line in worker_lines
+                                    if " INFO " in line or " WARNING " in line)
