@@ -4,6 +4,7 @@ Each crosses a process boundary as msgpack (see shared/wire.py) and is validated
 it enters a process. PROTOCOL_VERSION changes whenever a message changes shape.
 """
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,14 +68,22 @@ class TokenEvent(Frozen):
     top_logprobs: tuple[Logprob, ...] = ()  # the most likely tokens at this position, most likely first
 
 
-class NewRequest(Frozen):
+# The per-iteration messages between the scheduler and a worker are plain dataclasses, not models:
+# a plan holds an item per request of the batch and a result a token per request, built and read
+# once per iteration each. They cross the wire in a compact columnar form (shared/plans.py), whose
+# decoder validates every field as the models above do (ranges, types, consistent lengths).
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRequest:
     """A request's data a worker needs once, the first time it is scheduled there."""
 
     request_id: str
     sampling: SamplingParams
 
 
-class StepItem(Frozen):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepItem:
     """One request's share of an iteration."""
 
     request_id: str
@@ -84,15 +93,15 @@ class StepItem(Frozen):
     # Pipelined plans: feed the token this worker sampled for the request at output_index - 1
     # (in the plan before, still running when this one was planned); token_ids is then empty.
     feeds_sampled: bool = False
-    start_position: int = Field(ge=0, lt=2**31)  # tokens of this request already in the worker's KV
+    start_position: int  # tokens of this request already in the worker's KV (0 .. 2**31)
     sample: bool  # this step reaches the last known token: sample the next one
-    output_index: int = Field(ge=0, lt=2**31)  # index of the token sampled (its seeded randomness)
+    output_index: int  # index of the token sampled (its seeded randomness; 0 .. 2**31)
 
 
-class BatchPlan(Frozen):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchPlan:
     """What one worker runs in one iteration (scheduler -> worker)."""
 
-    version: Literal[1] = PROTOCOL_VERSION
     # Which scheduler run made the plan: a worker that sees a new epoch drops all its KV,
     # since a restarted scheduler re-queues every request to be rebuilt from its tokens.
     scheduler_epoch: str
@@ -107,7 +116,8 @@ class BatchPlan(Frozen):
     free_all: bool = False
 
 
-class SampledToken(Frozen):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampledToken:
     request_id: str
     token_id: int
     output_index: int
@@ -115,18 +125,22 @@ class SampledToken(Frozen):
     top_logprobs: tuple[Logprob, ...] = ()
 
 
-class ItemError(Frozen):
+ItemErrorCode = Literal["kv_cache_full", "out_of_memory", "unknown_request", "bad_item"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ItemError:
     request_id: str
     # kv_cache_full and out_of_memory are no fault of the request: it waits and is rebuilt. The
     # others count towards failing it (a rebuild fixes most).
-    code: Literal["kv_cache_full", "out_of_memory", "unknown_request", "bad_item"]
+    code: ItemErrorCode
     message: str
 
 
-class PlanResult(Frozen):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
     """What a worker answers for one plan (worker -> scheduler)."""
 
-    version: Literal[1] = PROTOCOL_VERSION
     scheduler_epoch: str  # copied from the plan: results of an older scheduler run are ignored
     plan_id: int
     worker_id: str
@@ -184,3 +198,4 @@ class IterationRecord(Frozen):
     decode_tokens: int
     started_at: float
     finished_at: float
+    step_seconds: float = 0.0  # the worker's time in the engine for this plan

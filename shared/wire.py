@@ -1,6 +1,11 @@
-"""msgpack on the wire, pydantic at every edge: decode() validates or raises WireError."""
+"""msgpack on the wire, pydantic at every edge: decode() validates or raises WireError.
 
-from typing import TypeVar
+The per-token messages are positional arrays instead of maps (a token event is `[index, token,
+text]` unless it carries more): the scheduler writes one per output token, so their encoding is
+on its hot path and their size on Redis's; they are validated where they are read.
+"""
+
+from typing import Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -25,3 +30,49 @@ def decode(message_type: type[Message], data: bytes) -> Message:
         return message_type.model_validate(raw)
     except ValidationError as error:
         raise WireError(f"{message_type.__name__}: {error}") from error
+
+
+def _unpack(name: str, data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as error:  # msgpack raises several unrelated types for bad input
+        raise WireError(f"{name}: not msgpack: {error}") from error
+
+
+# A token event's fields, in wire order; trailing defaults are left off.
+TOKEN_EVENT_FIELDS = ("index", "token_id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "logprob",
+                      "top_logprobs")
+_TOKEN_EVENT_DEFAULTS = (None, 0, 0, None, None)  # of the fields after text
+
+
+def encode_token_event(index: int, token_id: int, text: str, finish_reason: str | None = None,
+                       prompt_tokens: int = 0, completion_tokens: int = 0, logprob: float | None = None,
+                       top_logprobs: tuple = ()) -> bytes:
+    """A TokenEvent as the scheduler writes it: no model object built, no validation (the reader's)."""
+    fields = [index, token_id, text, finish_reason, prompt_tokens, completion_tokens, logprob, top_logprobs or None]
+    while len(fields) > 3 and fields[-1] == _TOKEN_EVENT_DEFAULTS[len(fields) - 4]:
+        fields.pop()
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode_token_event(data: bytes):
+    """A validated TokenEvent from its positional form (or the map form: any writer may use it)."""
+    from shared.messages import TokenEvent
+
+    raw = _unpack("TokenEvent", data)
+    if isinstance(raw, list):
+        if not 3 <= len(raw) <= len(TOKEN_EVENT_FIELDS):
+            raise WireError(f"TokenEvent: {len(raw)} fields")
+        raw = dict(zip(TOKEN_EVENT_FIELDS, raw))
+        if raw.get("top_logprobs") is None:
+            raw.pop("top_logprobs", None)
+    try:
+        return TokenEvent.model_validate(raw)
+    except ValidationError as error:
+        raise WireError(f"TokenEvent: {error}") from error
+
+
+def encode_event(event) -> bytes:
+    """A TokenEvent object in the positional form (tests and the odd writer that has one)."""
+    return encode_token_event(event.index, event.token_id, event.text, event.finish_reason, event.prompt_tokens,
+                              event.completion_tokens, event.logprob, tuple(event.top_logprobs))

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import msgpack
 import openai
 import pytest
 import redis
@@ -24,13 +25,13 @@ from shared import keys
 from shared.messages import (
     BatchPlan,
     NewRequest,
-    PlanResult,
     RequestRecord,
     SamplingParams,
     SchedulerInfo,
     StepItem,
     WorkerInfo,
 )
+from shared.plans import PLAN_FORMAT, PlanCodec
 from tests.fuzzing import bad_payloads
 from tests.redis_server import RedisProcess
 from tests.system import REPO, System
@@ -261,15 +262,16 @@ def valid_messages(worker_id: str) -> dict[str, dict]:
     return {
         "record": RequestRecord(request_id="fuzz", prompt_token_ids=(1, 2, 3), sampling=sampling, arrival_time=now,
                                 client_key="key-fuzz").model_dump(),
-        "result": PlanResult(scheduler_epoch="fuzz-epoch", plan_id=1, worker_id=worker_id, kv_blocks_total=256,
-                             kv_blocks_free=256, step_seconds=0.01).model_dump(),
+        "result": {"f": PLAN_FORMAT, "e": "fuzz-epoch", "p": 1, "w": worker_id, "h": b"\x00\x00", "t": b"\x05\x00\x00\x00",
+                   "o": b"\x00\x00\x00\x00", "x": [[0, "bad_item", "fuzz"]], "kt": 256, "kf": 256, "s": 0.01},
         "worker": WorkerInfo(worker_id="fuzz-worker", pid=1, host="h", device="cpu", kv_block_size=16,
                              kv_blocks_total=256, kv_blocks_free=256, running=0, started_at=now,
                              heartbeat_at=now).model_dump(),
-        "plan": BatchPlan(scheduler_epoch="fuzz-epoch", plan_id=1, worker_id=worker_id,
-                          new_requests=(NewRequest(request_id="fuzz-plan", sampling=sampling),),
-                          items=(StepItem(request_id="fuzz-plan", token_ids=(1, 2, 3), start_position=0, sample=True,
-                                          output_index=0),)).model_dump(),
+        "plan": msgpack.unpackb(PlanCodec().encode(BatchPlan(
+            scheduler_epoch="fuzz-epoch", plan_id=1, worker_id=worker_id,
+            new_requests=(NewRequest(request_id="fuzz-plan", sampling=sampling),),
+            items=(StepItem(request_id="fuzz-plan", token_ids=(1, 2, 3), start_position=0, sample=True,
+                            output_index=0),)))),
         "heartbeat": SchedulerInfo(pid=1, policy="iteration", started_at=now, heartbeat_at=now, last_iteration_at=now,
                                    iterations=1, waiting=0, running=0).model_dump(),
     }  # fmt: skip

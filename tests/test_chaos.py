@@ -30,7 +30,7 @@ import pytest
 from shared import keys
 from shared.config import Settings
 from shared.messages import IterationRecord, RequestRecord, TokenEvent
-from shared.wire import decode
+from shared.wire import decode, decode_token_event
 from tests.cluster import Cluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -251,7 +251,7 @@ def check_same_as_baseline(outputs: dict[str, Output], baseline: dict[str, Outpu
 def token_events(cluster: Cluster, request_id: str) -> list[TokenEvent]:
     client = cluster.redis_client()
     try:
-        return [decode(TokenEvent, fields[b"m"]) for _, fields in client.xrange(keys.token_stream(request_id))]
+        return [decode_token_event(fields[b"m"]) for _, fields in client.xrange(keys.token_stream(request_id))]
     finally:
         client.close()
 

@@ -1,5 +1,6 @@
 """SchedulerPolicy: iteration-level scheduling bookkeeping, without Redis (services/scheduler/policy.py)."""
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -456,8 +457,8 @@ def test_stale_results_are_ignored():
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     policy.add_request(record("a", max_tokens=10))
     plan = policy.next_plan("w1")
-    assert policy.on_result(answer(plan.model_copy(update={"plan_id": plan.plan_id + 7}))) == []
-    assert policy.on_result(answer(plan.model_copy(update={"scheduler_epoch": "older"}))) == []
+    assert policy.on_result(answer(dataclasses.replace(plan, plan_id=plan.plan_id + 7))) == []
+    assert policy.on_result(answer(dataclasses.replace(plan, scheduler_epoch="older"))) == []
     assert policy.next_plan("w1") is None, "the real plan is still in flight"
     assert len(policy.on_result(answer(plan))) == 1
     assert policy.on_result(answer(plan)) == [], "a duplicate result adds nothing"

@@ -29,8 +29,9 @@ from shared.messages import (
     TokenEvent,
     WorkerInfo,
 )
+from shared.plans import PlanReader
 from shared.redis_connection import connect
-from shared.wire import WireError, decode, encode
+from shared.wire import WireError, decode, decode_token_event, encode
 from tests.redis_server import RedisProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +66,7 @@ class FakeWorker:
         self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
         self.errors: list[str] = []
         self.plans: list[BatchPlan] = []
+        self.reader = PlanReader()  # the handles the scheduler gives this worker's requests
         self.stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -109,13 +111,21 @@ class FakeWorker:
             for _, entries in reply or ():
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    plan = decode(BatchPlan, fields[b"m"])
+                    decoded = self.reader.decode(fields[b"m"], lambda request_id: len(self.kv.get(request_id, ())),
+                                                 self.worker_id)
+                    plan = decoded.plan
                     self.plans.append(plan)
                     result = self._run(plan)
+                    for handle, message in decoded.unknown:
+                        self.errors.append(f"plan {plan.plan_id}: handle {handle}: {message}")
+                    payload = self.reader.encode_result(
+                        decoded, {token.request_id: token.token_id for token in result.tokens}, {},
+                        [(error.request_id, error.code, error.message) for error in result.errors],
+                        result.kv_blocks_total, result.kv_blocks_free, result.step_seconds)
                     await asyncio.sleep(self.step_seconds)
                     while True:  # as the real worker: a Redis that refuses writes for a while is waited out
                         try:
-                            await self.redis.xadd(keys.RESULTS_STREAM, {"m": encode(result)})
+                            await self.redis.xadd(keys.RESULTS_STREAM, {"m": payload})
                             break
                         except OutOfMemoryError:
                             await asyncio.sleep(0.05)
@@ -213,7 +223,7 @@ async def cancel(redis, request_id: str) -> None:
 
 async def read_events(redis, request_id: str) -> list[tuple[bytes, TokenEvent]]:
     entries = await redis.xrange(keys.token_stream(request_id))
-    return [(entry_id, decode(TokenEvent, fields[b"m"])) for entry_id, fields in entries]
+    return [(entry_id, decode_token_event(fields[b"m"])) for entry_id, fields in entries]
 
 
 async def wait_finished(redis, request_id: str, timeout: float = 20.0) -> list[TokenEvent]:
@@ -556,9 +566,14 @@ async def test_an_unexpected_error_in_the_bookkeeping_ends_the_scheduler(redis_c
                 await task
 
 
-def test_wire_error_is_what_decode_raises():
-    with pytest.raises(WireError):
-        decode(PlanResult, b"\xc1")
+def test_wire_error_is_what_decoding_raises():
+    from shared.plans import PlanReader, read_result
+
+    for data in (b"\xc1", encode(SamplingParams()), b"\x93\x01\x02\x03"):
+        with pytest.raises(WireError):
+            read_result(data)
+        with pytest.raises(WireError):
+            PlanReader().decode(data, lambda request_id: 0, "w1")
 
 
 async def test_the_scheduler_survives_a_redis_restart():

@@ -53,6 +53,7 @@ ORCA_SYSTEMS = {
     "request-stream": ("request", ("--request-results", "stream")),
 }
 BASELINES = ("request", "request-stream")
+ITERATION_RECORDS_KEPT = 500_000  # more than a run makes: the overhead timeline reads them all
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,10 @@ class Experiments:
         policy, options = ORCA_SYSTEMS[name]
         described = " ".join(("--policy", policy, *options, "--workers", str(workers)))
         log(f"starting iterserve up {described}")
-        with ServerProcess(policy=policy, workers=workers, kv_blocks=self.sizes.kv_blocks, extra_args=options) as server:
+        # The timelines are read from the iteration records: keep all of a run's.
+        env = {"ITERSERVE_ITERATION_RECORDS": str(ITERATION_RECORDS_KEPT)}
+        with ServerProcess(policy=policy, workers=workers, kv_blocks=self.sizes.kv_blocks, extra_args=options,
+                           env=env) as server:
             self._warm_up(server, workers)
             yield server
         log(f"stopped iterserve up {described}")

@@ -1,8 +1,7 @@
 """Where a system's time goes, against the engine alone (experiment 2).
 
 From the scheduler's per-iteration records (ITERATIONS_STREAM: when each plan left and when
-its result was taken) joined with the workers' results (RESULTS_STREAM: seconds in the engine),
-each worker's busy window splits into
+its result was taken, and the worker's seconds in the engine), each worker's busy window splits into
   engine     the step itself,
   transport  plan in flight outside the engine: Redis round trips (XADD, XREAD wake-ups),
              msgpack + pydantic (de)serialization of plan and result, the worker's thread hop,
@@ -18,36 +17,20 @@ from collections import defaultdict
 import redis
 
 from shared import keys
-from shared.messages import (
-    BatchPlan,
-    IterationRecord,
-    NewRequest,
-    PlanResult,
-    SampledToken,
-    SamplingParams,
-    StepItem,
-    TokenEvent,
-)
+from shared.messages import BatchPlan, IterationRecord, NewRequest, SamplingParams, StepItem
+from shared.plans import PlanCodec, PlanReader, read_result
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
-from shared.wire import WireError, decode, encode
+from shared.wire import WireError, decode, encode_token_event
 
 
 def read_iterations(redis_url: str, started_at: float, finished_at: float) -> list[dict]:
-    """Iterations whose plan left within [started_at, finished_at] (unix seconds), with their step time."""
+    """Iterations whose plan left within [started_at, finished_at] (unix seconds), with their step time
+    (the system must keep that many iteration records: ITERSERVE_ITERATION_RECORDS)."""
     client = redis.Redis.from_url(redis_url, socket_timeout=10)
     try:
-        start_id = f"{int(started_at * 1000)}-0"
-        records = client.xrange(keys.ITERATIONS_STREAM, min=start_id, max="+")
-        results = client.xrange(keys.RESULTS_STREAM, min=start_id, max="+")
+        records = client.xrange(keys.ITERATIONS_STREAM, min=f"{int(started_at * 1000)}-0", max="+")
     finally:
         client.close()
-    steps: dict[tuple[str, int], float] = {}
-    for _, fields in results:
-        try:
-            result = decode(PlanResult, fields[b"m"])
-        except (WireError, KeyError):
-            continue
-        steps[(result.worker_id, result.plan_id)] = result.step_seconds
     rows = []
     for _, fields in records:
         try:
@@ -59,7 +42,7 @@ def read_iterations(redis_url: str, started_at: float, finished_at: float) -> li
         rows.append({"worker_id": record.worker_id, "plan_id": record.plan_id, "started_at": record.started_at,
                      "finished_at": record.finished_at, "batch_size": len(record.request_ids),
                      "prefill_tokens": record.prefill_tokens, "decode_tokens": record.decode_tokens,
-                     "step_s": steps.get((record.worker_id, record.plan_id))})
+                     "step_s": record.step_seconds})
     return rows
 
 
@@ -104,26 +87,37 @@ def microbenchmarks(tokenizer: Tokenizer, batch_size: int, redis_url: str | None
     """Per-iteration costs of the pieces around the engine, at a decode batch of `batch_size`."""
     batch_size = max(1, batch_size)
     sampling = SamplingParams(max_tokens=128, ignore_eos=True)
-    plan = BatchPlan(scheduler_epoch="e" * 32, plan_id=1, worker_id="worker-bench-1",
-                     new_requests=(NewRequest(request_id="cmpl-" + "0" * 32, sampling=sampling),),
-                     items=tuple(StepItem(request_id=f"cmpl-{index:032x}", token_ids=(1234,), start_position=300,
-                                          sample=True, output_index=40) for index in range(batch_size)))
-    result = PlanResult(scheduler_epoch="e" * 32, plan_id=1, worker_id="worker-bench-1",
-                        tokens=tuple(SampledToken(request_id=f"cmpl-{index:032x}", token_id=1234, output_index=40)
-                                     for index in range(batch_size)), kv_blocks_total=2048, kv_blocks_free=1000,
-                        step_seconds=0.1)
-    plan_bytes, result_bytes = encode(plan), encode(result)
-    event = TokenEvent(index=40, token_id=1234, text=" the")
-    wire_s = (_median_seconds(lambda: encode(plan), repeats) + _median_seconds(lambda: decode(BatchPlan, plan_bytes), repeats)
-              + _median_seconds(lambda: encode(result), repeats)
-              + _median_seconds(lambda: decode(PlanResult, result_bytes), repeats))
-    token_events_s = batch_size * _median_seconds(lambda: encode(event), repeats)
+    request_ids = [f"cmpl-{index:032x}" for index in range(batch_size)]
+    first = BatchPlan(scheduler_epoch="e" * 32, plan_id=1, worker_id="worker-bench-1",
+                      new_requests=tuple(NewRequest(request_id=request_id, sampling=sampling) for request_id in request_ids),
+                      items=tuple(StepItem(request_id=request_id, token_ids=(1234,) * 8, start_position=0, sample=True,
+                                           output_index=0) for request_id in request_ids))
+    plan = BatchPlan(scheduler_epoch="e" * 32, plan_id=2, worker_id="worker-bench-1",  # every request decoding
+                     items=tuple(StepItem(request_id=request_id, token_ids=(), feeds_sampled=True, start_position=300,
+                                          sample=True, output_index=40) for request_id in request_ids))
+    codec, reader = PlanCodec(), PlanReader()
+    reader.decode(codec.encode(first), lambda request_id: 0, "worker-bench-1")
+    plan_bytes = codec.encode(plan)
+    decoded = reader.decode(plan_bytes, lambda request_id: 300, "worker-bench-1")
+    tokens = {request_id: 1234 for request_id in request_ids}
+
+    def result_bytes() -> bytes:
+        return reader.encode_result(decoded, tokens, {}, [], 2048, 1000, 0.1)
+
+    def result_round() -> None:
+        codec._sent[2] = {reader._handle_of[request_id]: request_id for request_id in request_ids}  # as if just sent
+        codec.decode_result(read_result(result_bytes())[1])
+
+    wire_s = (_median_seconds(lambda: codec.encode(plan), repeats)
+              + _median_seconds(lambda: reader.decode(plan_bytes, lambda request_id: 300, "worker-bench-1"), repeats)
+              + _median_seconds(result_round, repeats))
+    token_events_s = batch_size * _median_seconds(lambda: encode_token_event(40, 1234, " the"), repeats)
     corpus_ids = tokenizer.encode("The harbor town woke slowly on winter mornings. Gulls circled overhead, loud and patient.")
     detokenizer = IncrementalDetokenizer(tokenizer)
     position = iter(range(10**9))
     detokenize_s = batch_size * _median_seconds(lambda: detokenizer.push(corpus_ids[next(position) % len(corpus_ids)]),
                                                 repeats * 10)
-    measured = {"batch_size": batch_size, "plan_bytes": len(plan_bytes), "result_bytes": len(result_bytes),
+    measured = {"batch_size": batch_size, "plan_bytes": len(plan_bytes), "result_bytes": len(result_bytes()),
                 "serialization_ms": 1000 * wire_s, "token_events_ms": 1000 * token_events_s,
                 "detokenization_ms": 1000 * detokenize_s}
     if redis_url:

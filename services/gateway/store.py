@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from services.gateway.errors import ServiceUnavailable
 from shared import keys
 from shared.messages import RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
-from shared.wire import WireError, decode, encode
+from shared.wire import WireError, decode, decode_token_event, encode
 
 log = logging.getLogger("iterserve.gateway")
 
@@ -293,7 +293,7 @@ def _settle(task: asyncio.Task) -> None:
 
 def _decode_event(request_id: str, fields: dict) -> TokenEvent | None:
     try:
-        return decode(TokenEvent, fields[b"m"])
+        return decode_token_event(fields[b"m"])
     except (KeyError, WireError) as error:
         log.warning("skipping malformed token event id=%s error=%s", request_id, error)
         return None

@@ -70,6 +70,7 @@ class _RecordDraft:
     in_flight: PlanInFlight
     finished: list[str] = field(default_factory=list)
     finished_at: float = 0.0
+    step_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -210,6 +211,7 @@ class SchedulerPolicy:
                 decode_tokens=flight.decode_tokens,
                 started_at=flight.started_at,
                 finished_at=draft.finished_at,
+                step_seconds=draft.step_seconds,
             ))
         return records
 
@@ -333,7 +335,7 @@ class SchedulerPolicy:
         now = self._clock()
         flight.started_at = max(flight.started_at, worker.last_result_at)  # it ran after the plan before it
         worker.last_result_at = now
-        draft = _RecordDraft(flight, finished_at=now)
+        draft = _RecordDraft(flight, finished_at=now, step_seconds=result.step_seconds)
         self._drafts.append(draft)
         self._latest_draft[worker.worker_id] = draft
         errors = {error.request_id: error for error in result.errors}

@@ -26,7 +26,8 @@ from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError
+import msgpack
+from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from services.scheduler.policy import SchedulerPolicy, TokenOutcome, status_for
 from services.scheduler.request_state import RequestState
@@ -43,7 +44,8 @@ from shared.messages import (
 from shared.model_file import load_metadata
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back_length
-from shared.wire import WireError, decode, encode
+from shared.plans import PlanCodec, read_result
+from shared.wire import WireError, decode, decode_token_event, encode, encode_token_event
 
 log = logging.getLogger("iterserve.scheduler")
 T = TypeVar("T")
@@ -59,6 +61,24 @@ PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream
 # or on the heartbeat timer, whichever comes first.
 TRIM_EVERY_ENTRIES = 256
 REMEMBERED_IDS = 100_000  # recently finished ids: a duplicate new-request entry is not loaded again
+# Every token entry of a round trip in one command: XADD, server side, for each (key, id, payload) of
+# a msgpack array; an entry written before (a round trip sent again) is skipped; the reply lists
+# (position, error) of the entries that failed otherwise. EVAL with the script's text, not EVALSHA:
+# a restarted Redis has no script cache, and an EVALSHA inside the round trip's MULTI would fail.
+TOKENS_SCRIPT = """
+local entries = cmsgpack.unpack(ARGV[1])
+local failed = {}
+for i = 1, #entries do
+  local entry = entries[i]
+  local reply = redis.pcall('XADD', entry[1], entry[2], 'm', entry[3])
+  if type(reply) == 'table' and reply.err and not string.find(reply.err, 'equal or smaller', 1, true) then
+    failed[#failed + 1] = i - 1
+    failed[#failed + 1] = reply.err
+  end
+end
+return failed
+"""
+TOKEN_ENTRY = "token"  # a Write's command for a token stream entry: args (stream key, entry id, payload)
 # Redis refused a whole round trip's writes up front (EXECABORT): they are all sent again.
 REFUSED_WRITES = (ExecAbortError, OutOfMemoryError, ReadOnlyError)
 REFUSAL_PREFIXES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "EXECABORT")
@@ -170,6 +190,7 @@ class SchedulerService:
         self._write_failures = BoundedSet(REMEMBERED_IDS)  # requests failed for a write Redis refused
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._worker_started_at: dict[str, float] = {}
+        self._codecs: dict[str, PlanCodec] = {}  # each worker's request handles and plans in flight
         self._stream_ids = {keys.NEW_REQUESTS_STREAM: "0-0", keys.CANCEL_STREAM: "0-0", keys.RESULTS_STREAM: "0-0"}
         self._trimmed_ids = dict(self._stream_ids)  # where each input stream was last trimmed
         self._read_since_trim = 0
@@ -325,7 +346,7 @@ class SchedulerService:
         events: dict[int, TokenEvent] = {}
         for entry_id, fields in entries:
             try:
-                event = decode(TokenEvent, fields.get(b"m", b""))
+                event = decode_token_event(fields.get(b"m", b""))
             except WireError as error:
                 log.warning("malformed_token_event request_id=%s entry=%s error=%s", request_id, _text(entry_id), error)
                 continue
@@ -350,8 +371,7 @@ class SchedulerService:
                 raise WireError(f"RequestRecord: request_id {record.request_id!r} under the key of {request_id!r}")
         except WireError as error:
             log.error("malformed_record request_id=%s error=%s", request_id, error)
-            self._xadd_event(request_id, TokenEvent(index=len(output_token_ids), token_id=-1, text="",
-                                                    finish_reason="error"))
+            self._token_event(request_id, len(output_token_ids), -1, "", finish_reason="error")
             self._write_end(request_id, "error", len(output_token_ids))
             return
         output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids))
@@ -403,6 +423,7 @@ class SchedulerService:
             if started_at is not None and started_at != info.started_at:
                 log.warning("worker_restarted worker_id=%s", worker_id)
                 self.policy.worker_down(worker_id)
+                self._codecs.pop(worker_id, None)
             if worker_id not in self.policy.worker_ids:
                 self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size)
             self._worker_started_at[worker_id] = info.started_at
@@ -417,6 +438,7 @@ class SchedulerService:
         registration and plan stream go (a worker that comes back under the same id re-registers,
         and its first plan tells it to drop whatever KV it still holds)."""
         self.policy.worker_down(worker_id)
+        self._codecs.pop(worker_id, None)
         self._worker_started_at.pop(worker_id, None)
         self._queue("srem", keys.WORKERS_SET, worker_id)
         self._queue("delete", keys.plan_stream(worker_id))
@@ -428,6 +450,10 @@ class SchedulerService:
             worker = self.policy.worker(worker_id)
             if worker.in_flight and now - worker.in_flight[0].started_at > self.settings.stall_seconds:
                 log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight[0].plan.plan_id)
+                codec = self._codecs.get(worker_id)
+                for flight in worker.in_flight:
+                    if codec is not None:
+                        codec.forget(flight.plan.plan_id)
                 self.policy.reset_worker(worker_id)
 
     def _dispatch(self) -> None:
@@ -443,7 +469,8 @@ class SchedulerService:
         plan = self.policy.next_plan(worker_id)
         if plan is None:
             return False
-        self._queue("xadd", keys.plan_stream(worker_id), {"m": encode(plan)},
+        codec = self._codecs.setdefault(worker_id, PlanCodec())
+        self._queue("xadd", keys.plan_stream(worker_id), {"m": codec.encode(plan)},
                     maxlen=PLAN_STREAM_MAXLEN, approximate=True)
         for item in plan.items:
             if item.request_id not in self._marked_running:
@@ -475,7 +502,11 @@ class SchedulerService:
         for entry_id, fields in by_stream.get(keys.RESULTS_STREAM, ()):
             self._stream_ids[keys.RESULTS_STREAM] = _text(entry_id)
             try:
-                result = decode(PlanResult, fields.get(b"m", b""))
+                worker_id, raw = read_result(fields.get(b"m", b""))
+                codec = self._codecs.get(worker_id)
+                if codec is None:
+                    continue  # a worker given up on (or never planned for): nothing of it is awaited
+                result = codec.decode_result(raw)
             except WireError as error:
                 log.warning("malformed_result entry=%s error=%s", _text(entry_id), error)
                 continue
@@ -487,9 +518,8 @@ class SchedulerService:
         if state is None:
             return  # ended already, or not loaded yet: loading it reads its cancel flag
         completion_tokens = len(state.output_token_ids)
-        self._xadd_event(request_id, TokenEvent(
-            index=completion_tokens, token_id=-1, text="", finish_reason="cancelled",
-            prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens))
+        self._token_event(request_id, completion_tokens, -1, "", finish_reason="cancelled",
+                          prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens)
         self._write_end(request_id, "cancelled", completion_tokens)
 
     def _apply_result(self, result: PlanResult) -> None:
@@ -535,11 +565,10 @@ class SchedulerService:
         piece = text[output.emitted : end] if end > output.emitted else ""
         output.emitted = max(output.emitted, end)
         completion_tokens = len(state.output_token_ids)
-        self._xadd_event(request_id, TokenEvent(
-            index=outcome.output_index, token_id=outcome.token_id, text=piece, finish_reason=finish,
-            prompt_tokens=len(state.prompt_token_ids) if finish else 0,
-            completion_tokens=completion_tokens if finish else 0,
-            logprob=outcome.logprob, top_logprobs=outcome.top_logprobs))
+        self._token_event(request_id, outcome.output_index, outcome.token_id, piece, finish_reason=finish,
+                          prompt_tokens=len(state.prompt_token_ids) if finish else 0,
+                          completion_tokens=completion_tokens if finish else 0,
+                          logprob=outcome.logprob, top_logprobs=outcome.top_logprobs)
         if finish is not None:
             self._write_end(request_id, finish, completion_tokens)
 
@@ -561,14 +590,14 @@ class SchedulerService:
                 end = found
             piece = text[output.emitted : end] if end > output.emitted else ""
         completion_tokens = len(state.output_token_ids)
-        self._xadd_event(request_id, TokenEvent(
-            index=completion_tokens, token_id=-1, text=piece, finish_reason=reason,
-            prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens))
+        self._token_event(request_id, completion_tokens, -1, piece, finish_reason=reason,
+                          prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens)
         self._write_end(request_id, reason, completion_tokens)
 
-    def _xadd_event(self, request_id: str, event: TokenEvent) -> None:
-        self._write(request_id, "xadd", keys.token_stream(request_id), {"m": encode(event)},
-                    id=token_entry_id(event.index))
+    def _token_event(self, request_id: str, index: int, token_id: int, text: str, **rest: Any) -> None:
+        """One entry of the request's token stream (batched with the round trip's others: one EVAL)."""
+        self._write(request_id, TOKEN_ENTRY, keys.token_stream(request_id), token_entry_id(index),
+                    encode_token_event(index, token_id, text, **rest))
 
     def _write_end(self, request_id: str, reason: FinishReason, completion_tokens: int) -> None:
         ttl = self.settings.request_ttl_seconds
@@ -654,27 +683,49 @@ class SchedulerService:
         stops the scheduler.
         """
         writes = list(self._writes)
+        # The token entries all go in one EVAL, where the first of them stood: every write queued
+        # after a request's last token (its end, its expiries) still runs after it.
+        commands: list[Write | list[Write]] = []
+        tokens: list[Write] | None = None
+        for write in writes:
+            if write.command != TOKEN_ENTRY:
+                commands.append(write)
+            elif tokens is None:
+                tokens = [write]
+                commands.append(tokens)
+            else:
+                tokens.append(write)
         pipe = self.redis.pipeline(transaction=False)
-        if writes:
+        if commands:
             pipe.execute_command("MULTI")
-            for write in writes:
-                getattr(pipe, write.command)(*write.args, **write.kwargs)
+            for command in commands:
+                if isinstance(command, list):
+                    # use_bin_type=False: Redis's Lua cmsgpack reads only the raw string type
+                    pipe.eval(TOKENS_SCRIPT, 0, msgpack.packb([write.args for write in command], use_bin_type=False))
+                else:
+                    getattr(pipe, command.command)(*command.args, **command.kwargs)
             pipe.execute_command("EXEC")
         if read:
             pipe.xread(dict(self._stream_ids), count=READ_COUNT, block=block_ms)
         wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
         replies = await bounded(pipe.execute(raise_on_error=False), wait_seconds)
-        if writes:
-            outcomes = replies[len(writes) + 1]
+        if commands:
+            outcomes = replies[len(commands) + 1]
             if isinstance(outcomes, Exception):
-                first = next((reply for reply in replies[: len(writes) + 1] if isinstance(reply, Exception)), outcomes)
+                first = next((reply for reply in replies[: len(commands) + 1] if isinstance(reply, Exception)),
+                             outcomes)
                 if not refused_up_front(first):
                     raise first  # a command Redis cannot parse: a bug
                 raise RedisWritesRefused(f"{len(writes)} writes refused: {first}")
             del self._writes[: len(writes)]
-            for write, outcome in zip(writes, outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    self._write_failed(write, outcome)
+            for command, outcome in zip(commands, outcomes, strict=True):
+                if isinstance(command, list):
+                    if isinstance(outcome, Exception):  # the script itself failed: no entry is known written
+                        raise SchedulerStateError(f"writing {len(command)} token entries failed: {outcome}")
+                    for position, message in zip(outcome[::2], outcome[1::2]):
+                        self._write_failed(command[position], ResponseError(_text(message)))
+                elif isinstance(outcome, Exception):
+                    self._write_failed(command, outcome)
         if not read:
             return []
         entries = replies[-1]

@@ -26,13 +26,14 @@ import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from services.worker.engine import Engine
-from services.worker.rows import StepOutcome
+from services.worker.rows import ItemRefusal, StepOutcome
 from services.worker.kv_cache import PagedKVCache
 from shared import keys
 from shared.config import Settings, threads_per_worker
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
-from shared.wire import WireError, decode, encode
+from shared.plans import DecodedPlan, PlanReader
+from shared.wire import WireError, encode
 
 log = logging.getLogger("iterserve.worker")
 
@@ -70,6 +71,7 @@ class Worker:
         self.busy_seconds = 0.0  # inside steps, since it started
         self._heartbeat_stop = asyncio.Event()
         self._consecutive_oom = 0
+        self.reader = PlanReader()  # the handles the scheduler gave this worker's requests
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_cache
@@ -102,7 +104,9 @@ class Worker:
                 async with asyncio.timeout(self.settings.heartbeat_seconds):
                     await self._heartbeat_stop.wait()
 
-    def execute(self, plan: BatchPlan) -> PlanResult:
+    def execute(self, decoded: DecodedPlan) -> tuple[bytes, StepOutcome]:
+        """Run a plan: its result on the wire, and the step's outcome."""
+        plan = decoded.plan
         if plan.scheduler_epoch != self.scheduler_epoch:
             if self.scheduler_epoch:
                 log.info("event=new_scheduler_epoch worker=%s dropping=%d", self.worker_id, self.engine.running)
@@ -116,7 +120,15 @@ class Worker:
         for new in plan.new_requests:
             self.engine.add_request(new.request_id, new.sampling)
         outcome = self.engine.step(plan.items)
-        return plan_result(plan, outcome, self.worker_id, self.engine.kv_cache)
+        return self._encode(decoded, outcome), outcome
+
+    def _encode(self, decoded: DecodedPlan, outcome: StepOutcome) -> bytes:
+        kv = self.engine.kv_cache
+        logprobs = {request_id: (finite(value.logprob), tuple((token, finite(top)) for token, top in value.top))
+                    for request_id, value in outcome.logprobs.items()}
+        return self.reader.encode_result(decoded, outcome.tokens, logprobs,
+                                         [(error.request_id, error.code, error.message) for error in outcome.errors],
+                                         kv.blocks_total, kv.blocks_free, outcome.seconds)
 
     async def serve(self, stop_event: asyncio.Event) -> None:
         stream = keys.plan_stream(self.worker_id)
@@ -186,19 +198,17 @@ class Worker:
         """Run one plan and publish its result, trimming the plan stream up to it (nobody else
         reads it). Raises EngineBroken when the engine can no longer compute."""
         try:
-            plan = decode(BatchPlan, fields.get(b"m", b""))
+            decoded = self.reader.decode(fields.get(b"m", b""), self.engine.kv_length, self.worker_id)
         except WireError as error:
             log.warning("event=bad_plan worker=%s error=%s", self.worker_id, error)
             return
-        if plan.worker_id != self.worker_id:
-            log.warning("event=misaddressed_plan worker=%s plan_worker=%s", self.worker_id, plan.worker_id)
-            return
+        plan = decoded.plan
         try:
-            result = await asyncio.to_thread(self.execute, plan)
-            self.busy_seconds += result.step_seconds
+            result, outcome = await asyncio.to_thread(self.execute, decoded)
+            self.busy_seconds += outcome.seconds
             self._consecutive_oom = 0
         except Exception as failure:
-            # Every item's own problem is a typed ItemError inside the result; an exception is the
+            # Every item's own problem is a typed refusal inside the result; an exception is the
             # engine's. Out of memory may pass (smaller batches); anything else will not.
             if not is_out_of_memory(failure):
                 raise EngineBroken(f"a step raised {type(failure).__name__}: {failure}") from failure
@@ -207,14 +217,18 @@ class Worker:
                         self._consecutive_oom)
             if self._consecutive_oom >= MAX_CONSECUTIVE_OOM:
                 raise EngineBroken(f"{self._consecutive_oom} steps in a row ran out of memory") from failure
-            result = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
-        for error in result.errors:
+            outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
+            result = self._encode(decoded, outcome)
+        for error in outcome.errors:
             log.warning("event=item_error worker=%s request=%s code=%s message=%s", self.worker_id,
                         error.request_id, error.code, error.message)
+        for handle, message in decoded.unknown:
+            log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
+                        handle, message)
         while True:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(keys.RESULTS_STREAM, {b"m": encode(result)}, maxlen=RESULTS_KEPT, approximate=True)
+                    pipe.xadd(keys.RESULTS_STREAM, {b"m": result}, maxlen=RESULTS_KEPT, approximate=True)
                     pipe.xtrim(stream, minid=entry_id, approximate=False)
                     await pipe.execute()
                 return
@@ -222,21 +236,17 @@ class Worker:
                 log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
                 await asyncio.sleep(0.5)
 
-    def failed(self, plan: BatchPlan, code: str, message: str) -> PlanResult:
+    def failed(self, plan: BatchPlan, code: str, message: str) -> StepOutcome:
         """Every item of the plan in error: the scheduler rebuilds those requests elsewhere or later."""
         for item in plan.items:
             self.engine.free(item.request_id)  # the step may have stopped half-way through its KV
-        kv = self.engine.kv_cache
-        return PlanResult(
-            scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=self.worker_id,
-            errors=tuple(ItemError(request_id=request_id, code=code, message=message)
-                         for request_id in dict.fromkeys(item.request_id for item in plan.items)),
-            kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=0.0,
-        )
+        return StepOutcome(errors=[ItemRefusal(request_id, code, message)
+                                   for request_id in dict.fromkeys(item.request_id for item in plan.items)])
 
 
 def plan_result(plan: BatchPlan, outcome: StepOutcome, worker_id: str, kv: PagedKVCache) -> PlanResult:
-    """What a worker answers for a plan it ran."""
+    """What a worker answers for a plan it ran, as the scheduler reads it (for an engine driven in
+    one process, with no wire in between: services/bench/engine_replay.py)."""
     by_id = {item.request_id: item for item in plan.items}
     tokens = []
     for request_id, token in outcome.tokens.items():
