@@ -182,6 +182,8 @@ class SchedulerInfo(Frozen):
     waiting: int
     running: int
     waiting_tokens: int = 0  # prompt (and rebuilt output) tokens of the waiting requests: gateway admission
+    cpu_seconds: float = 0.0  # the scheduler process's CPU time since it started
+    phase_cpu_seconds: dict[str, float] = {}  # of it: planning, Redis round trips, reading results, output
 
 
 class IterationRecord(Frozen):

@@ -82,6 +82,15 @@ class FakeWorker:
         await self.redis.srem(keys.WORKERS_SET, self.worker_id)
         await self.redis.aclose()
 
+    def lose_state(self) -> None:
+        """Forget every request and its handle, as a worker whose state was lost would (the epoch stays)."""
+        epoch = self.reader.epoch
+        self.reader = PlanReader()
+        self.reader.epoch = epoch
+        self.kv.clear()
+        self.seeds.clear()
+        self.last_sampled.clear()
+
     async def kill(self) -> None:
         """Stop answering and stop the heartbeat (its key expires: the scheduler sees it dead)."""
         self.stop.set()
@@ -458,6 +467,23 @@ async def test_a_dead_workers_requests_are_rebuilt_on_another_and_its_keys_delet
         assert not await redis_client.exists(keys.worker_heartbeat("w-dies"))
         assert await redis_client.exists(keys.plan_stream("w-stays")), "the live worker's plan stream is kept"
         assert stays.errors == [] and dies.errors == []
+
+
+async def test_a_worker_that_lost_a_request_answers_unknown_request_and_the_scheduler_rebuilds_it(
+        redis_client, settings):
+    prompts = {"cmpl-lost": (1, 2, 3)}
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.01) as worker, \
+            running_scheduler(settings):
+        await submit(redis_client, "cmpl-lost", prompts["cmpl-lost"], seed=4, max_tokens=60)
+        await wait_until(lambda: _has_events(redis_client, "cmpl-lost", 5), what="tokens before the loss")
+        worker.lose_state()
+        check_stream("cmpl-lost", await wait_finished(redis_client, "cmpl-lost"), 4, 3, 60, "length")
+    # The only complaints are the deltas for the forgotten handle; then a rebuild from position 0
+    # carrying the prompt and the output so far, after which the KV checks held for every step.
+    assert worker.errors and all("does not hold" in error for error in worker.errors), worker.errors
+    rebuilds = [item for plan in worker.plans for item in plan.items
+                if item.start_position == 0 and len(item.token_ids) > len(prompts["cmpl-lost"])]
+    assert len(rebuilds) == 1 and rebuilds[0].token_ids[:3] == prompts["cmpl-lost"]
 
 
 async def test_streams_hold_only_what_a_reader_still_needs(redis_client, settings):

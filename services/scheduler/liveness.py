@@ -1,0 +1,91 @@
+"""Which workers are alive: a worker is alive while its heartbeat key exists.
+
+A dead or departed worker's requests wait again (rebuilt elsewhere from prompt + output), and its
+registration and plan stream are deleted (a worker that comes back under the same id registers
+again, and its first plan tells it to drop whatever KV it still holds). A worker that restarted
+under the same id (a new start time) is a new worker. A plan or its result lost (a Redis restart
+without it) would leave a worker waiting forever: after stall_seconds its plans are given up and
+its requests rebuilt.
+"""
+
+import logging
+import time
+
+from services.scheduler.policy import SchedulerPolicy
+from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, bounded
+from shared import keys
+from shared.messages import WorkerInfo
+from shared.plans import PlanCodec
+from shared.wire import WireError, decode
+
+log = logging.getLogger("iterserve.scheduler")
+
+
+class WorkerLiveness:
+    def __init__(self, link: RedisLink, policy: SchedulerPolicy, codecs: dict[str, PlanCodec],
+                 stall_seconds: float) -> None:
+        self.link, self.policy, self.codecs = link, policy, codecs
+        self.stall_seconds = stall_seconds
+        self._started_at: dict[str, float] = {}
+
+    async def poll(self) -> None:
+        redis = self.link.redis
+        members = await bounded(redis.smembers(keys.WORKERS_SET), REDIS_SLACK_SECONDS)
+        worker_ids = []
+        for member in members:
+            try:
+                worker_ids.append(member.decode())
+            except UnicodeDecodeError:
+                log.warning("malformed_worker_id member=%r", member[:80])
+                self.link.queue("srem", keys.WORKERS_SET, member)
+        worker_ids.sort()
+        values = []
+        if worker_ids:
+            values = await bounded(redis.mget([keys.worker_heartbeat(worker_id) for worker_id in worker_ids]),
+                                   REDIS_SLACK_SECONDS)
+        seen = set()
+        for worker_id, value in zip(worker_ids, values, strict=True):
+            if value is None:
+                if worker_id in self.policy.worker_ids:
+                    log.warning("worker_dead worker_id=%s", worker_id)
+                self.forget(worker_id)
+                continue
+            seen.add(worker_id)
+            try:
+                info = decode(WorkerInfo, value)
+            except WireError as error:
+                log.warning("malformed_worker_info worker_id=%s error=%s", worker_id, error)
+                continue  # alive, whatever it wrote: keep what we know
+            started_at = self._started_at.get(worker_id)
+            if started_at is not None and started_at != info.started_at:
+                log.warning("worker_restarted worker_id=%s", worker_id)
+                self.policy.worker_down(worker_id)
+                self.codecs.pop(worker_id, None)
+            if worker_id not in self.policy.worker_ids:
+                self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size)
+            self._started_at[worker_id] = info.started_at
+            self.policy.set_draining(worker_id, info.draining)
+        for worker_id in self.policy.worker_ids:
+            if worker_id not in seen:
+                log.warning("worker_gone worker_id=%s", worker_id)
+                self.forget(worker_id)
+
+    def forget(self, worker_id: str) -> None:
+        """A dead or departed worker: its requests wait again, its keys and per-worker state go."""
+        self.policy.worker_down(worker_id)
+        self.codecs.pop(worker_id, None)
+        self._started_at.pop(worker_id, None)
+        self.link.queue("srem", keys.WORKERS_SET, worker_id)
+        self.link.queue("delete", keys.plan_stream(worker_id))
+
+    def abandon_stalled_plans(self) -> None:
+        now = time.time()
+        for worker_id in self.policy.worker_ids:
+            worker = self.policy.worker(worker_id)
+            if worker.in_flight and now - worker.in_flight[0].started_at > self.stall_seconds:
+                log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight[0].plan.plan_id)
+                codec = self.codecs.get(worker_id)
+                for flight in worker.in_flight:
+                    if codec is not None:
+                        codec.forget(flight.plan.plan_id)
+                self.policy.reset_worker(worker_id)

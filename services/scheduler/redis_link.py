@@ -1,0 +1,178 @@
+"""The scheduler's one link to Redis: the queue of writes each turn produces, and the round trip
+that sends them and reads the three input streams (new requests, cancels, results) at once.
+
+Writes leave the queue only once Redis has run them. They go as one MULTI/EXEC: Redis refuses a
+transaction whole, before any of it runs, when it refuses a write up front (out of memory, a
+read-only replica, failing persistence: EXECABORT), so a refused round trip is sent again whole,
+with backoff, and no write is skipped or reordered (a token stream never has a gap). A write that
+fails inside the transaction fails for its key (a key of the wrong type): the link hands it to
+`on_write_failed`. Every token entry of a round trip goes in one EVAL (TOKENS_SCRIPT): one
+command instead of one per token, which is most of what a round trip used to cost.
+
+The input streams are trimmed to what this scheduler has read (nobody else reads them; a
+restarted scheduler rebuilds from the active set, not from them).
+"""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
+
+from shared import keys
+
+log = logging.getLogger("iterserve.scheduler")
+T = TypeVar("T")
+
+READ_COUNT = 512  # entries per stream per XREAD
+REDIS_SLACK_SECONDS = 10.0  # a Redis call may take this much longer than its own block time
+TRIM_EVERY_ENTRIES = 256  # trim the input streams after this many entries read (or on the heartbeat)
+INPUT_STREAMS = (keys.NEW_REQUESTS_STREAM, keys.CANCEL_STREAM, keys.RESULTS_STREAM)
+
+# XADD, server side, for each (key, id, payload) of a msgpack array; an entry written before (a
+# round trip sent again) is skipped; the reply lists (position, error) of the entries that failed
+# otherwise. EVAL with the script's text, not EVALSHA: a restarted Redis has no script cache, and an
+# EVALSHA inside the round trip's MULTI would fail. (Standalone Redis: the keys are not declared.)
+TOKENS_SCRIPT = """
+local entries = cmsgpack.unpack(ARGV[1])
+local failed = {}
+for i = 1, #entries do
+  local entry = entries[i]
+  local reply = redis.pcall('XADD', entry[1], entry[2], 'm', entry[3])
+  if type(reply) == 'table' and reply.err and not string.find(reply.err, 'equal or smaller', 1, true) then
+    failed[#failed + 1] = i - 1
+    failed[#failed + 1] = reply.err
+  end
+end
+return failed
+"""
+TOKEN_ENTRY = "token"  # a Write's command for a token stream entry: args (stream key, entry id, payload)
+REFUSED_WRITES = (ExecAbortError, OutOfMemoryError, ReadOnlyError)
+REFUSAL_PREFIXES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "EXECABORT")
+
+
+class RedisWritesRefused(RedisError):
+    """Redis refused the round trip's writes before running any (out of memory, a read-only
+    replica, failing persistence): nothing was written, everything is sent again after a backoff."""
+
+
+class SchedulerStateError(Exception):
+    """A write to a key the scheduler owns failed inside Redis (e.g. a key of the wrong type): the
+    scheduler's memory and Redis disagree, so the process stops and the restart path rebuilds."""
+
+
+@dataclass(frozen=True)
+class Write:
+    """One Redis command of the next round trip."""
+
+    command: str
+    args: tuple
+    kwargs: dict
+    request_id: str | None = None  # the request whose keys it writes (None: a shared key)
+
+
+def refused_up_front(error: Exception) -> bool:
+    """Redis refused a command before running it, for a reason that passes (memory, replication,
+    persistence): retrying later is right."""
+    return isinstance(error, REFUSED_WRITES) or str(error).startswith(REFUSAL_PREFIXES)
+
+
+async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
+    """Await with a time limit. (asyncio.wait_for before 3.12 can swallow a cancellation that
+    arrives as the awaited call completes, which would make the scheduler task unkillable.)"""
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
+def text_of(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisLink:
+    def __init__(self, redis: Any, on_write_failed: Callable[[Write, Exception], None]) -> None:
+        self.redis = redis
+        self.on_write_failed = on_write_failed
+        self.writes: list[Write] = []  # commands for the next round trip
+        self.read_ids = {stream: "0-0" for stream in INPUT_STREAMS}  # where each input stream was read up to
+        self._trimmed_ids = dict(self.read_ids)
+        self._read_since_trim = 0
+
+    def queue(self, command: str, *args: Any, **kwargs: Any) -> None:
+        self.writes.append(Write(command, args, kwargs))
+
+    def queue_first(self, write: Write) -> None:
+        self.writes.insert(0, write)
+
+    def note_read(self, stream: str, entry_id: bytes | str) -> None:
+        self.read_ids[stream] = text_of(entry_id)
+        self._read_since_trim += 1
+
+    @property
+    def trim_due(self) -> bool:
+        return self._read_since_trim >= TRIM_EVERY_ENTRIES
+
+    def queue_trims(self) -> None:
+        """Trim each input stream up to what this scheduler has read: nobody else reads them."""
+        for stream, read_up_to in self.read_ids.items():
+            if read_up_to != self._trimmed_ids[stream]:  # keeps that last entry: a restart starts after it
+                self.queue("xtrim", stream, minid=read_up_to, approximate=False)
+                self._trimmed_ids[stream] = read_up_to
+        self._read_since_trim = 0
+
+    async def round_trip(self, block_ms: int | None, read: bool = True) -> list:
+        """Every queued write as one MULTI/EXEC (the token entries in one EVAL where the first of
+        them stood: every write queued after a request's last token, its end and its expiries,
+        still runs after it), then one XREAD of the input streams, in one pipeline."""
+        writes = list(self.writes)
+        commands: list[Write | list[Write]] = []
+        tokens: list[Write] | None = None
+        for write in writes:
+            if write.command != TOKEN_ENTRY:
+                commands.append(write)
+            elif tokens is None:
+                tokens = [write]
+                commands.append(tokens)
+            else:
+                tokens.append(write)
+        pipe = self.redis.pipeline(transaction=False)
+        if commands:
+            pipe.execute_command("MULTI")
+            for command in commands:
+                if isinstance(command, list):
+                    # use_bin_type=False: Redis's Lua cmsgpack reads only the raw string type
+                    pipe.eval(TOKENS_SCRIPT, 0, msgpack.packb([write.args for write in command], use_bin_type=False))
+                else:
+                    getattr(pipe, command.command)(*command.args, **command.kwargs)
+            pipe.execute_command("EXEC")
+        if read:
+            pipe.xread(dict(self.read_ids), count=READ_COUNT, block=block_ms)
+        wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
+        replies = await bounded(pipe.execute(raise_on_error=False), wait_seconds)
+        if commands:
+            outcomes = replies[len(commands) + 1]
+            if isinstance(outcomes, Exception):
+                first = next((reply for reply in replies[: len(commands) + 1] if isinstance(reply, Exception)),
+                             outcomes)
+                if not refused_up_front(first):
+                    raise first  # a command Redis cannot parse: a bug
+                raise RedisWritesRefused(f"{len(writes)} writes refused: {first}")
+            del self.writes[: len(writes)]
+            for command, outcome in zip(commands, outcomes, strict=True):
+                if isinstance(command, list):
+                    if isinstance(outcome, Exception):  # the script itself failed: no entry is known written
+                        raise SchedulerStateError(f"writing {len(command)} token entries failed: {outcome}")
+                    for position, message in zip(outcome[::2], outcome[1::2]):
+                        self.on_write_failed(command[position], ResponseError(text_of(message)))
+                elif isinstance(outcome, Exception):
+                    self.on_write_failed(command, outcome)
+        if not read:
+            return []
+        entries = replies[-1]
+        if isinstance(entries, Exception):
+            raise entries
+        return entries or []

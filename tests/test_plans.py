@@ -1,0 +1,174 @@
+"""Compact plans and results (shared/plans.py): a random sequence of plans round-trips exactly
+through the scheduler's PlanCodec and the worker's PlanReader, results come back under the request
+ids the plan they answer named, and a plan naming a handle the worker does not hold gets the typed
+`unknown_request` error for that item only."""
+
+import random
+
+import msgpack
+
+from shared.messages import BatchPlan, NewRequest, SamplingParams, StepItem
+from shared.plans import PLAN_FORMAT, PlanCodec, PlanReader, read_result
+
+
+def _random_plans(rng: random.Random, count: int):
+    """Plans as a scheduler would send them to one worker: requests join with
+    their data once, then prefill chunks and pipelined decodes, leave through free_request_ids; epochs
+    change and free_all comes now and then."""
+    held: dict[str, int] = {}  # request id -> KV length the worker will have
+    epoch, next_id = "epoch-1", 0
+    for plan_id in range(count):
+        free_all, new_epoch = rng.random() < 0.03, rng.random() < 0.03
+        if new_epoch:
+            epoch = f"epoch-{plan_id}"
+        if free_all or new_epoch:
+            held.clear()
+        freed = tuple(rng.sample(sorted(held), k=min(len(held), rng.randint(0, 3))))
+        for request_id in freed:
+            del held[request_id]
+        new = []
+        for _ in range(rng.randint(0, 4)):
+            request_id = f"cmpl-{next_id:06d}"
+            next_id += 1
+            new.append(NewRequest(request_id=request_id, sampling=SamplingParams(
+                temperature=rng.choice([0.0, 0.7]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**63),
+                max_tokens=rng.randint(1, 500), stop=tuple(rng.sample(["\n", "END", "ü"], k=rng.randint(0, 2))))))
+            held[request_id] = 0
+        items = []
+        for request_id in sorted(held):
+            if rng.random() < 0.2:
+                continue  # not in this step
+            length = held[request_id]
+            if length and rng.random() < 0.7:  # a pipelined decode: feeds the token it sampled last
+                items.append(StepItem(request_id=request_id, token_ids=(), feeds_sampled=True,
+                                      start_position=length, sample=True, output_index=rng.randint(1, 10**6)))
+                held[request_id] = length + 1
+            else:
+                tokens = tuple(rng.randrange(2**31) for _ in range(rng.randint(1, 40)))
+                start = 0 if rng.random() < 0.1 else length  # a rebuild starts over
+                items.append(StepItem(request_id=request_id, token_ids=tokens, start_position=start,
+                                      sample=rng.random() < 0.5, output_index=rng.randint(0, 10**6)))
+                held[request_id] = start + len(tokens)
+        yield BatchPlan(scheduler_epoch=epoch, plan_id=plan_id, worker_id="w1", new_requests=tuple(new),
+                        items=tuple(items), free_request_ids=freed, free_all=free_all)
+
+
+def test_a_random_plan_sequence_round_trips_exactly_and_results_name_what_the_plan_named():
+    rng = random.Random(7)
+    codec, reader = PlanCodec(), PlanReader()
+    kv_length: dict[str, int] = {}
+    plans = 0
+    for plan in _random_plans(rng, 400):
+        if plan.free_all or plan.scheduler_epoch != reader.epoch:
+            kv_length.clear()
+        data = codec.encode(plan)
+        decoded = reader.decode(data, lambda request_id: kv_length[request_id], "w1")
+        assert decoded.unknown == []
+        assert decoded.plan.new_requests == plan.new_requests
+        assert decoded.plan.free_request_ids == plan.free_request_ids
+        # Decodes travel first (handle + output index only); the rest keep their order.
+        assert sorted(decoded.plan.items, key=lambda item: item.request_id) == \
+            sorted(plan.items, key=lambda item: item.request_id)
+        assert (decoded.plan.scheduler_epoch, decoded.plan.plan_id, decoded.plan.free_all) == \
+            (plan.scheduler_epoch, plan.plan_id, plan.free_all)
+        for item in plan.items:
+            kv_length[item.request_id] = item.start_position + max(1, len(item.token_ids))
+        for request_id in plan.free_request_ids:
+            kv_length.pop(request_id, None)
+
+        sampled = {item.request_id: rng.randrange(2**31) for item in plan.items if item.sample}
+        logprobs = {request_id: (-0.5, ((token, -0.5), (1, -2.0))) for request_id, token in sampled.items()
+                    if rng.random() < 0.3}
+        errors = [(item.request_id, "kv_cache_full", "no room") for item in plan.items
+                  if not item.sample and rng.random() < 0.1]
+        payload = reader.encode_result(decoded, sampled, logprobs, errors, 100, 42, 0.004)
+        worker_id, raw = read_result(payload)
+        result = codec.decode_result(raw)
+        assert worker_id == "w1" and (result.plan_id, result.kv_blocks_free, result.step_seconds) == \
+            (plan.plan_id, 42, 0.004)
+        assert {token.request_id: token.token_id for token in result.tokens} == sampled
+        output_index = {item.request_id: item.output_index for item in plan.items}
+        assert all(token.output_index == output_index[token.request_id] for token in result.tokens)
+        assert {token.request_id: (token.logprob, token.top_logprobs) for token in result.tokens
+                if token.logprob is not None} == logprobs
+        assert sorted((error.request_id, error.code) for error in result.errors) == \
+            sorted((request_id, code) for request_id, code, _ in errors)
+        plans += 1
+    assert plans == 400
+
+
+def test_an_answer_read_after_its_handles_were_reused_names_the_requests_its_plan_named():
+    codec, reader = PlanCodec(), PlanReader()
+    sampling = SamplingParams()
+    first = BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w1",
+                      new_requests=(NewRequest(request_id="cmpl-a", sampling=sampling),),
+                      items=(StepItem(request_id="cmpl-a", token_ids=(5, 6), start_position=0, sample=True,
+                                      output_index=0),))
+    decoded_first = reader.decode(codec.encode(first), lambda request_id: 0, "w1")
+    # Before the answer comes, the next plan frees cmpl-a and gives its handle to cmpl-b.
+    second = BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w1", free_request_ids=("cmpl-a",),
+                       new_requests=(NewRequest(request_id="cmpl-b", sampling=sampling),),
+                       items=(StepItem(request_id="cmpl-b", token_ids=(7,), start_position=0, sample=True,
+                                       output_index=0),))
+    decoded_second = reader.decode(codec.encode(second), lambda request_id: 0, "w1")
+    assert decoded_first.item_handles == decoded_second.item_handles  # the handle was reused
+    answer_first = codec.decode_result(read_result(reader.encode_result(decoded_first, {"cmpl-a": 11}, {}, [],
+                                                                        9, 9, 0.0))[1])
+    answer_second = codec.decode_result(read_result(reader.encode_result(decoded_second, {"cmpl-b": 12}, {}, [],
+                                                                         9, 9, 0.0))[1])
+    assert [(t.request_id, t.token_id) for t in answer_first.tokens] == [("cmpl-a", 11)]
+    assert [(t.request_id, t.token_id) for t in answer_second.tokens] == [("cmpl-b", 12)]
+    # An answer to a plan of an older epoch names nothing.
+    codec.encode(BatchPlan(scheduler_epoch="f", plan_id=3, worker_id="w1"))
+    stale = codec.decode_result(read_result(reader.encode_result(decoded_second, {"cmpl-b": 12}, {}, [],
+                                                                 9, 9, 0.0))[1])
+    assert stale.tokens == () and stale.errors == ()
+
+
+def test_a_delta_for_a_request_the_worker_does_not_hold_is_a_typed_error_for_that_item_only():
+    codec = PlanCodec()
+    sampling = SamplingParams(seed=3)
+    joined = BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w1",
+                       new_requests=(NewRequest(request_id="cmpl-a", sampling=sampling),
+                                     NewRequest(request_id="cmpl-b", sampling=sampling)),
+                       items=(StepItem(request_id="cmpl-a", token_ids=(1, 2), start_position=0, sample=True,
+                                       output_index=0),
+                              StepItem(request_id="cmpl-b", token_ids=(3,), start_position=0, sample=True,
+                                       output_index=0)))
+    codec.encode(joined)  # the worker never reads it (say, it restarted its state)
+    fresh = PlanReader()
+    fresh.epoch = "e"
+    delta = BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w1",
+                      new_requests=(NewRequest(request_id="cmpl-c", sampling=sampling),),
+                      items=(StepItem(request_id="cmpl-a", token_ids=(), feeds_sampled=True, start_position=2,
+                                      sample=True, output_index=1),
+                             StepItem(request_id="cmpl-b", token_ids=(9,), start_position=1, sample=True,
+                                      output_index=1),
+                             StepItem(request_id="cmpl-c", token_ids=(4, 5), start_position=0, sample=True,
+                                      output_index=0)))
+    decoded = fresh.decode(codec.encode(delta), lambda request_id: 0, "w1")
+    assert [item.request_id for item in decoded.plan.items] == ["cmpl-c"]
+    assert len(decoded.unknown) == 2
+    result = codec.decode_result(read_result(fresh.encode_result(decoded, {"cmpl-c": 8}, {}, [], 9, 9, 0.0))[1])
+    assert [(t.request_id, t.token_id) for t in result.tokens] == [("cmpl-c", 8)]
+    assert sorted((error.request_id, error.code) for error in result.errors) == \
+        [("cmpl-a", "unknown_request"), ("cmpl-b", "unknown_request")]
+
+
+def test_plans_of_64_decoding_requests_and_their_results_fit_in_one_and_a_half_kilobytes():
+    codec, reader = PlanCodec(), PlanReader()
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=256)
+    ids = [f"cmpl-{index:032x}" for index in range(64)]
+    joined = BatchPlan(scheduler_epoch="e", plan_id=0, worker_id="w1",
+                       new_requests=tuple(NewRequest(request_id=i, sampling=sampling) for i in ids))
+    reader.decode(codec.encode(joined), lambda request_id: 0, "w1")
+    plan = BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w1", items=tuple(
+        StepItem(request_id=i, token_ids=(), feeds_sampled=True, start_position=100, sample=True,
+                 output_index=50) for i in ids))
+    plan_bytes = codec.encode(plan)
+    decoded = reader.decode(plan_bytes, lambda request_id: 100, "w1")
+    result_bytes = reader.encode_result(decoded, {i: 100_000 + n for n, i in enumerate(ids)}, {}, [], 10_000, 5000,
+                                        0.006)
+    assert len(decoded.plan.items) == 64
+    assert len(plan_bytes) + len(result_bytes) <= 1536, (len(plan_bytes), len(result_bytes))
+    assert msgpack.unpackb(plan_bytes)["f"] == PLAN_FORMAT
