@@ -183,7 +183,7 @@ class SchedulerInfo(Frozen):
     running: int
     waiting_tokens: int = 0  # prompt (and rebuilt output) tokens of the waiting requests: gateway admission
     cpu_seconds: float = 0.0  # the scheduler process's CPU time since it started
-    phase_cpu_seconds: dict[str, float] = {}  # of it: planning, Redis round trips, reading results, output
+    phase_cpu_seconds: dict[str, float] = {}  # of it, by phase (services/scheduler/service.py PHASES)
 
 
 class IterationRecord(Frozen):

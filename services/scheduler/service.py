@@ -60,7 +60,10 @@ log = logging.getLogger("iterserve.scheduler")
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
 PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
-PHASES = ("schedule", "redis", "results", "output")  # where the scheduler's CPU time goes
+# Where the scheduler's CPU time goes: choosing plans, encoding them, the Redis round trip (redis-py
+# packing the writes and parsing what it read), decoding results, applying them to the bookkeeping,
+# and the requests' output (detokenization, stop strings, token events, iteration records).
+PHASES = ("plan", "encode", "redis", "decode", "apply", "fanout")
 
 
 class SchedulerService:
@@ -157,9 +160,7 @@ class SchedulerService:
             batch = self._pending_new[:LOAD_BATCH]
             await self.loader.load_requests(batch)
             del self._pending_new[: len(batch)]
-        started = time.process_time()
         self._dispatch()
-        self.phase_cpu["schedule"] += time.process_time() - started
         if now >= self._next_heartbeat or self._published_counts != self._counts():
             if now >= self._next_heartbeat:
                 self.link.queue_trims()
@@ -171,14 +172,21 @@ class SchedulerService:
     def _dispatch(self) -> None:
         """Write the results of request-level batches that are done, then send every plan the
         workers can take now: with pipelining, up to pipeline_depth each."""
+        started = time.process_time()
         self.link.writes.extend(self.holding.release_finished_batches(self.policy))
+        self.phase_cpu["fanout"] += time.process_time() - started
         for _ in range(self.policy.pipeline_depth):
             if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):
                 break
+        started = time.process_time()
         self.outputs.publish_finished_without_token()
+        self.phase_cpu["fanout"] += time.process_time() - started
 
     def _send_plan(self, worker_id: str) -> bool:
+        started = time.process_time()
         plan = self.policy.next_plan(worker_id)
+        planned = time.process_time()
+        self.phase_cpu["plan"] += planned - started
         if plan is None:
             return False
         codec = self.codecs.setdefault(worker_id, PlanCodec())
@@ -186,6 +194,7 @@ class SchedulerService:
                         maxlen=PLAN_STREAM_MAXLEN, approximate=True)
         for item in plan.items:
             self.outputs.mark_running(item.request_id)
+        self.phase_cpu["encode"] += time.process_time() - planned
         log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
                   len(plan.items), len(plan.new_requests), len(plan.free_request_ids))
         return True
@@ -221,7 +230,7 @@ class SchedulerService:
                 log.warning("malformed_result entry=%s error=%s", text_of(entry_id), error)
                 continue
             finally:
-                self.phase_cpu["results"] += time.process_time() - started
+                self.phase_cpu["decode"] += time.process_time() - started
             self._apply_result(result)
 
     def _cancel(self, request_id: str) -> None:
@@ -235,13 +244,13 @@ class SchedulerService:
         started = time.process_time()
         outcomes = self.policy.on_result(result)
         applied = time.process_time()
-        self.phase_cpu["results"] += applied - started
+        self.phase_cpu["apply"] += applied - started
         for outcome in outcomes:
             self.holding.hold(outcome.request_id, result.worker_id)
             self.outputs.publish_token(outcome)  # may end a request on a stop string: before the records
         self.outputs.publish_finished_without_token()
         records = self.policy.take_iteration_records()
-        self.phase_cpu["output"] += time.process_time() - applied
+        self.phase_cpu["fanout"] += time.process_time() - applied
         if not records:
             log.debug("stale_result worker_id=%s plan_id=%d", result.worker_id, result.plan_id)
             return
