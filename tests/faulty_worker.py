@@ -3,30 +3,37 @@ computing (a CUDA device-side assert, a poisoned context). Nothing in services/ 
 
     ITERSERVE_TEST_BREAK_AFTER_STEPS=12 python -m tests.faulty_worker worker
 
-runs `iterserve worker` with the model's forward pass raising from its 13th call on.
+runs `iterserve worker` with the model's forward pass (or, with --executor emulated, the emulated
+step) raising from its 13th call on.
 """
 
 import os
 import sys
 
 from services.cli import main
+from services.worker.emulated import EmulatedEngine
 from services.worker.model import Llama
 
 INJECTED = "CUDA error: device-side assert triggered (injected by tests/faulty_worker.py)"
 
 
 def break_after(steps: int) -> None:
-    forward = Llama.forward
+    for owner, name in ((Llama, "forward"), (EmulatedEngine, "step")):  # whichever the worker runs
+        _break(owner, name, steps)
+
+
+def _break(owner: type, name: str, steps: int) -> None:
+    method = getattr(owner, name)
     calls = 0
 
-    def breaking_forward(self, *args, **kwargs):
+    def breaking(self, *args, **kwargs):
         nonlocal calls
         calls += 1
         if calls > steps:
             raise RuntimeError(INJECTED)
-        return forward(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
-    Llama.forward = breaking_forward
+    setattr(owner, name, breaking)
 
 
 if __name__ == "__main__":

@@ -384,3 +384,63 @@ def _point_for_readme() -> dict:
     from services.bench.experiments import _point
 
     return _point(synthetic_report(0.5), 2.0)
+
+
+# The control-plane experiment (emulated workers)
+
+
+def _snapshot(at: float, busy: list[float], iterations: int, cpu: float, phases: dict[str, float]) -> dict:
+    return {"workers": [{"id": f"w{index}", "heartbeat_at": at, "busy_seconds": seconds, "executor": "emulated",
+                         "hardware": "h100-llama3-8b"} for index, seconds in enumerate(busy)],
+            "scheduler": {"heartbeat_at": at, "iterations": iterations, "cpu_seconds": cpu,
+                          "phase_cpu_seconds": phases}}
+
+
+def test_control_plane_figures_from_two_status_snapshots():
+    from services.bench.control_plane import PHASES, largest_busy_fleet, markdown, measure
+    from shared.messages import IterationRecord
+
+    zero = dict.fromkeys(PHASES, 0.0)
+    before = _snapshot(100.0, [5.0, 7.0], iterations=1000, cpu=2.0, phases=zero)
+    # 10 s later: worker 0 was in steps 9.6 s, worker 1 8.0 s; 2000 worker-iterations, 3 s of scheduler CPU
+    after = _snapshot(110.0, [14.6, 15.0], iterations=3000, cpu=5.0, phases=zero | {"plan": 1.0, "fanout": 0.5})
+    records = [IterationRecord(iteration=index, worker_id="w0", plan_id=index, request_ids=("a",) * batch, joined=(),
+                               finished=(), prefill_tokens=0, decode_tokens=batch, started_at=0, finished_at=0,
+                               step_seconds=step)
+               for index, (batch, step) in enumerate([(64, 0.006), (32, 0.004)])]
+    figures = measure(before, after, records)
+    assert figures["busy_min"] == pytest.approx(0.80) and figures["busy_mean"] == pytest.approx(0.88)
+    assert figures["plans_per_s"] == pytest.approx(200.0)
+    assert figures["scheduler_cpu_share"] == pytest.approx(0.3)
+    assert figures["scheduler_cpu_us_per_iteration"] == pytest.approx(1500.0)
+    assert figures["phase_cpu_us_per_iteration"]["plan"] == pytest.approx(500.0)
+    assert figures["phase_cpu_us_per_iteration"]["fanout"] == pytest.approx(250.0)
+    # 2 workers x 10 s of wall time, 17.6 s in steps: 2.4 s between steps over 2000 iterations
+    assert figures["gap_ms_per_iteration"] == pytest.approx(1.2)
+    assert figures["mean_batch"] == 48 and figures["mean_decode_step_ms"] == pytest.approx(5.0)
+    rows = [{"profile": "p", "workers": workers, "busy_min": busy}
+            for workers, busy in [(1, 0.99), (2, 0.96), (4, 0.9), (8, 0.97)]]
+    assert largest_busy_fleet(rows, "p") == 8 and largest_busy_fleet(rows, "other") == 0
+    report = {"quick": False, "machine": {"cores": 2}, "date": "d", "largest_busy_fleet": {"h100-llama3-8b": 0},
+              "sizes": {"requests_per_worker": 96, "prompt_tokens": 32, "output_tokens": 256, "max_batch_size": 64,
+                        "seconds": 10, "warmup_seconds": 5},
+              "pool": [{"profile": "h100-llama3-8b", "workers": 2, **figures}]}
+    text = markdown(report)
+    assert "EMULATED" in text and "| h100-llama3-8b | 5.00 | 2 | 48.0 | 0.80 | 0.88 | 200 | 30% | 1500 | 500 |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_control_plane_case_keeps_an_emulated_worker_fed_and_measures_it():
+    """One real `iterserve up` with an emulated worker, fed through the pool: the worker is busy,
+    its batch fills up, and the scheduler's time per iteration is measured."""
+    from services.bench.control_plane import QUICK, pool_case
+
+    sizes = QUICK.__class__(**{**QUICK.__dict__, "seconds": 3.0, "warmup_seconds": 3.0})
+    row = asyncio.run(pool_case("h100-llama3-8b", 1, sizes, seed=0))
+    assert row["executor"] == "emulated" and row["profile"] == "h100-llama3-8b" and row["workers_measured"] == 1
+    assert row["iterations"] > 50 and 0.1 < row["busy_min"] <= 1.0
+    assert row["mean_batch"] > 32, "96 active requests per worker: its batch of 64 fills up"
+    assert 4.0 < row["mean_decode_step_ms"] < 9.0, "h100-llama3-8b decode steps take 6-7 ms"
+    assert row["scheduler_cpu_us_per_iteration"] > 0
+    assert sum(row["phase_cpu_us_per_iteration"].values()) <= row["scheduler_cpu_us_per_iteration"] * 1.05

@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "smollm2-135m-instruct"
 FINISH_SECONDS = 180  # a scenario's requests all end within this, or something is stuck
 REPORT: dict[str, dict] = {}  # what each fault cost, filled by the tests
+REPORT_SUFFIX = ""  # the executor of the scenarios running now: "" for the model, "@emulated"
 
 # Workloads
 
@@ -347,7 +348,7 @@ async def until_kv_all_free(cluster: Cluster, timeout: float = 10.0) -> float:
 
 
 def report(scenario: str, **measures: object) -> None:
-    REPORT.setdefault(scenario, {}).update(measures)
+    REPORT.setdefault(scenario + REPORT_SUFFIX, {}).update(measures)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -376,11 +377,28 @@ def test_a_failing_scenario_leaves_no_process_behind():
     assert not cluster.directory.exists(), "its logs and Redis data are removed"
 
 
+# The executors: the model on the CPU, and emulated GPU steps (a few ms each), which expose races
+# that 100 ms steps hide. Emulated tokens are exact functions of (seed, output index), so the same
+# checks hold: each executor's faulty runs are compared with its own fault-free run.
+
+EXECUTORS = {
+    "engine": {},
+    "emulated": {"executor": "emulated", "hardware": "h100-qwen2.5-32b"},
+}
+
+
+@pytest.fixture(scope="module", params=list(EXECUTORS))
+def executor(request) -> dict[str, str]:
+    global REPORT_SUFFIX
+    REPORT_SUFFIX = "" if request.param == "engine" else f"@{request.param}"
+    return EXECUTORS[request.param]
+
+
 # The fault-free run
 
 
 @pytest.fixture(scope="module")
-def baseline() -> dict[str, Output]:
+def baseline(executor: dict[str, str]) -> dict[str, Output]:
     """Every request the scenarios compare, run once without any fault (two workers, batched)."""
     specs = FAULT_WORKLOAD + EXTRA + PRESSURE + [request.spec for request in STORM if request.cancel is None]
 
@@ -388,7 +406,7 @@ def baseline() -> dict[str, Output]:
         return None
 
     started = time.monotonic()
-    with Cluster(workers=2) as cluster:
+    with Cluster(**executor, workers=2) as cluster:
         outputs = asyncio.run(run_all(cluster, specs, nothing, stream=False))
         check_nothing_left(cluster)
     report("baseline", requests=len(specs), seconds=round(time.monotonic() - started, 1))
@@ -529,9 +547,9 @@ def requests_by_seed(client) -> dict[int, str]:
     return found
 
 
-def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unchanged(baseline):
+def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unchanged(baseline, executor):
     started = time.monotonic()
-    with Cluster(workers=2, max_batch_size=128) as cluster:
+    with Cluster(**executor, workers=2, max_batch_size=128) as cluster:
         asyncio.run(cancel_one_long_request(cluster))
         storm_started = time.monotonic()
         results = asyncio.run(storm(cluster))
@@ -601,8 +619,8 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
            test_seconds=round(time.monotonic() - started, 1))
 
 
-def test_kv_pressure_preempts_the_youngest_and_outputs_are_unchanged(baseline):
-    with Cluster(workers=1, kv_blocks=10) as cluster:  # 160 tokens: two of these requests at their longest
+def test_kv_pressure_preempts_the_youngest_and_outputs_are_unchanged(baseline, executor):
+    with Cluster(**executor, workers=1, kv_blocks=10) as cluster:  # 160 tokens: two of these requests at their longest
         outputs = asyncio.run(run_all(cluster, PRESSURE, lambda outputs: asyncio.sleep(0), stream=False))
         asyncio.run(until_kv_all_free(cluster))
         check_same_as_baseline(outputs, baseline, "under KV pressure")
@@ -649,8 +667,8 @@ def check_each_preemption_took_the_youngest(cluster: Cluster, outputs: dict[str,
 # Worker faults
 
 
-def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_duplicate(baseline):
-    with Cluster(workers=2) as cluster:
+def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_duplicate(baseline, executor):
+    with Cluster(**executor, workers=2) as cluster:
         killed: dict[str, float] = {}
         victim: list[str] = []
 
@@ -681,14 +699,14 @@ def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_
                tokens_recomputed=tokens_recomputed(cluster))
 
 
-def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_token_exact(baseline):
+def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_token_exact(baseline, executor):
     """An engine that can no longer compute (tests/faulty_worker.py: the forward pass raises a
     device-side assert from its 13th call) is not a failed plan but a broken worker: it deregisters
     and exits non-zero, and its requests are rebuilt on the other worker with the same output."""
     from services.worker.service import ENGINE_BROKEN_EXIT_CODE
     from tests.faulty_worker import INJECTED
 
-    with Cluster(workers=1) as cluster:
+    with Cluster(**executor, workers=1) as cluster:
         faulty = cluster.start_worker(module="tests.faulty_worker", ITERSERVE_TEST_BREAK_AFTER_STEPS="12")
         cluster.wait_ready(2)
         outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, lambda outputs: asyncio.sleep(0)))
@@ -709,9 +727,11 @@ def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_t
         report("engine_fault", requests_on_faulty_worker=len(ran_there), tokens_recomputed=tokens_recomputed(cluster))
 
 
-def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_new_one(baseline):
-    drain_seconds = 2.0
-    with Cluster(workers=2, drain_seconds=drain_seconds) as cluster:
+def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_new_one(baseline, executor):
+    # Long enough to see a drain run on, short enough that the last worker leaves requests unfinished
+    # (emulated steps are ~25 ms: 40-token requests end in about a second).
+    drain_seconds = 0.25 if executor.get("executor") == "emulated" else 2.0
+    with Cluster(**executor, workers=2, drain_seconds=drain_seconds) as cluster:
         stopped: dict[str, float] = {}
         names: list[str] = []
 
@@ -776,8 +796,8 @@ def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_
 # Scheduler, Redis and gateway faults
 
 
-def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline):
-    with Cluster(workers=2) as cluster:
+def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline, executor):
+    with Cluster(**executor, workers=2) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
 
@@ -812,10 +832,10 @@ def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline):
 
 
 @pytest.mark.parametrize("down_seconds", [0.0, 3.0], ids=["at-once", "down-3s"])
-def test_restart_redis_mid_run_every_request_completes(baseline, down_seconds):
+def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_seconds):
     """At once: nothing is lost, nothing recomputed. Down 3 s: the workers' heartbeat keys expire,
     so the scheduler re-queues their requests and rebuilds them when the workers come back."""
-    with Cluster(workers=2) as cluster:
+    with Cluster(**executor, workers=2) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
 
@@ -848,9 +868,9 @@ def test_restart_redis_mid_run_every_request_completes(baseline, down_seconds):
                workers_declared_dead=declared_dead)
 
 
-def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline):
+def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline, executor):
     specs = FAULT_WORKLOAD[:6]
-    with Cluster(workers=2) as cluster:
+    with Cluster(**executor, workers=2) as cluster:
         times: dict[str, float] = {}
 
         async def fault(outputs: dict[str, Output]) -> None:

@@ -4,6 +4,8 @@
                   --seed 0 --output run.json [--ttft-slo 1000 --tpot-slo 100] [--cancel-fraction 0.3]
   iterserve bench --concurrency 8 ...         closed loop instead of a rate
   iterserve bench experiments [--quick]       every experiment; writes benchmarks/results/
+  iterserve bench experiments control-plane   emulated fleets: does one scheduler keep them busy?
+  iterserve bench experiments orca-emulated   Orca against request-level at GPU cost (emulated A100, 13B)
 
 Prints a markdown table; --output writes the JSON report (summary and per-request timings).
 """

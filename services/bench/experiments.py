@@ -579,6 +579,17 @@ def update_readme(results: dict, out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "control-plane":
+        from services.bench.control_plane import main as control_plane_main
+
+        control_plane_main(argv[1:])
+        return
+    if argv and argv[0] == "orca-emulated":
+        from services.bench.orca_emulated import main as orca_emulated_main
+
+        orca_emulated_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="iterserve bench experiments", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes (about 3 minutes), into benchmarks/results/quick/")

@@ -1,8 +1,12 @@
 """The worker process: holds the model and its KV cache, runs the plans addressed to it.
 
-Loop: read the next BatchPlan from its Redis stream, free what the plan says, run the step
-in the engine (in a thread, so heartbeats go on), publish the PlanResult. A heartbeat key
-with a TTL announces it; when the key expires the scheduler moves its requests elsewhere.
+Loop: take the next BatchPlan, free what the plan says, run the step in the engine (in a thread,
+so heartbeats go on), publish the PlanResult. Redis round trips overlap the steps: a reader task
+fetches the plans ahead into a small queue (the scheduler sends the next plan while one runs), and
+a step's result is published while the next step runs (in order: one publish in flight). Run one
+after the other, the two round trips and the thread hop left a GPU-speed step idle 3-4 ms per
+iteration (measured with emulated 26 ms steps: 88% busy). A heartbeat key with a TTL announces
+the worker; when the key expires the scheduler moves its requests elsewhere.
 
 SIGTERM drains: the heartbeat says `draining` (the scheduler admits nothing new here and hands
 the running requests over to another worker, or lets them finish when there is none); the
@@ -39,6 +43,8 @@ log = logging.getLogger("iterserve.worker")
 
 PLAN_BLOCK_MS = 250  # one wait for a plan: also how soon an idle worker notices a SIGTERM
 DRAIN_BLOCK_MS = 100  # while draining: look at the exit conditions this often
+READ_BLOCK_MS = 100  # the plan reader's wait: also how soon it notices the worker stopping
+PREFETCH_PLANS = 4  # plans read ahead (the scheduler keeps pipeline_depth <= 4 in flight)
 EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregister
 # A guard only: the scheduler trims the results stream to what it has read. Results it has not
 # read after this many are of no use (a scheduler that was down this long starts a new epoch).
@@ -70,6 +76,8 @@ class Worker:
         self.device = engine.device_name
         self.busy_seconds = 0.0  # inside steps, since it started
         self._heartbeat_stop = asyncio.Event()
+        self._reading_stop = asyncio.Event()
+        self._publishing: asyncio.Task | None = None  # the last result's publish
         self._consecutive_oom = 0
         self.reader = PlanReader()  # the handles the scheduler gave this worker's requests
 
@@ -135,6 +143,8 @@ class Worker:
         last = await self.redis.xrevrange(stream, count=1)
         last_id = last[0][0] if last else b"0-0"
         heartbeat = asyncio.create_task(self.heartbeat_forever())
+        plans: asyncio.Queue = asyncio.Queue(maxsize=PREFETCH_PLANS)
+        reading = asyncio.create_task(self._read_plans(stream, last_id, plans))
         log.info("event=worker_ready worker=%s pid=%d device=%s kv_blocks=%d threads=%d", self.worker_id,
                  os.getpid(), self.device, self.engine.kv_cache.blocks_total, torch.get_num_threads())
         drain_deadline = 0.0
@@ -152,20 +162,46 @@ class Worker:
                                     self.engine.running)
                         break
                 block_ms = DRAIN_BLOCK_MS if self.draining else PLAN_BLOCK_MS
-                try:
-                    replies = await self.redis.xread({stream: last_id}, count=1, block=block_ms)
-                except RECONNECT_ERRORS as error:
-                    log.warning("event=redis_unavailable worker=%s error=%r", self.worker_id, error)
-                    await asyncio.sleep(0.5)
+                if reading.done():
+                    reading.result()  # it ends only when told to, or by failing: then so does the worker
+                try:  # a queue's get, not a Redis command: safe to time out
+                    entry_id, fields = await asyncio.wait_for(plans.get(), block_ms / 1000)
+                except TimeoutError:
                     continue
-                for _, entries in replies:
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        await self.handle(fields, stream, entry_id)
+                await self.handle(fields, stream, entry_id)
         finally:
             self.draining = True
+            self._reading_stop.set()
+            while not plans.empty():  # plans read ahead and not run: a reader waiting to add one goes on
+                plans.get_nowait()
+            await self._published()  # every step that ran has its result out (or Redis is gone)
+            with contextlib.suppress(TimeoutError):  # it stops after its current XREAD
+                await asyncio.wait_for(asyncio.shield(reading), READ_BLOCK_MS / 1000 + EXIT_WRITE_SECONDS)
             self._heartbeat_stop.set()
             await self._deregister(heartbeat)
+
+    async def _read_plans(self, stream: str, last_id: bytes, plans: asyncio.Queue) -> None:
+        """Fetch this worker's plans ahead while steps run, in order, until told to stop."""
+        while not self._reading_stop.is_set():
+            try:
+                replies = await self.redis.xread({stream: last_id}, count=PREFETCH_PLANS, block=READ_BLOCK_MS)
+            except RECONNECT_ERRORS as error:
+                log.warning("event=redis_unavailable worker=%s error=%r", self.worker_id, error)
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in replies:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    await plans.put((entry_id, fields))
+
+    async def _published(self) -> None:
+        """Until the last result handed to the publisher is in Redis (bounded when stopping)."""
+        if self._publishing is not None and not self._publishing.done():
+            if self.draining:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._publishing), EXIT_WRITE_SECONDS)
+            else:
+                await self._publishing
 
     async def _start_draining(self) -> None:
         """Say so at once (not at the next heartbeat): the scheduler stops sending new requests."""
@@ -225,6 +261,11 @@ class Worker:
         for handle, message in decoded.unknown:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
+        await self._published()  # results go out in order: the previous one had a whole step to go
+        self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan.plan_id))
+
+    async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
+        """The result, and the plan stream trimmed up to its plan (nobody else reads it)."""
         while True:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -233,7 +274,7 @@ class Worker:
                     await pipe.execute()
                 return
             except (*RECONNECT_ERRORS, OutOfMemoryError, ReadOnlyError) as error:
-                log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
+                log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan_id, error)
                 await asyncio.sleep(0.5)
 
     def failed(self, plan: BatchPlan, code: str, message: str) -> StepOutcome:
