@@ -327,10 +327,13 @@ def status_workers(cluster: Cluster) -> list[dict]:
     return cluster.get_json("/status")[1]["workers"]
 
 
-def busiest_worker(cluster: Cluster) -> tuple[str, str]:
-    """(service name, worker id) of the worker running the most requests: the fault costs most there."""
+async def busiest_worker(cluster: Cluster) -> tuple[str, str]:
+    """(service name, worker id) of the worker running the most requests: the fault costs most there.
+    /status shows each worker's last heartbeat (every 0.5 s): with fast steps the one before the
+    requests started may still be the latest, so wait (bounded) for one that shows them."""
+    await until(lambda: any(worker["running"] > 0 for worker in status_workers(cluster)),
+                "a heartbeat showing a worker running requests", 5)
     worker = max(status_workers(cluster), key=lambda worker: (worker["running"], worker["id"]))
-    assert worker["running"] > 0, "no worker runs a request"
     return cluster.name_of_worker(worker["id"]), worker["id"]
 
 
@@ -674,7 +677,7 @@ def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_
 
         async def fault(outputs: dict[str, Output]) -> None:
             await until(all_have(outputs, 8), "8 tokens in every stream")
-            name, worker_id = busiest_worker(cluster)
+            name, worker_id = await busiest_worker(cluster)
             victim.extend([worker_id, next(w["id"] for w in status_workers(cluster) if w["id"] != worker_id)])
             killed["at"], killed["monotonic"] = cluster.kill(name), time.monotonic()
 
@@ -737,7 +740,7 @@ def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_
 
         async def scale_down(outputs: dict[str, Output]) -> None:
             await until(all_have(outputs, 5), "5 tokens in every stream")
-            name, worker_id = busiest_worker(cluster)
+            name, worker_id = await busiest_worker(cluster)
             names.extend([name, worker_id, "worker-2" if name == "worker-1" else "worker-1"])
             stopped["at"] = cluster.kill(name, signal.SIGTERM)
             code = await asyncio.to_thread(cluster.wait_exit, name, drain_seconds + 8)

@@ -174,9 +174,10 @@ class Worker:
             self._reading_stop.set()
             while not plans.empty():  # plans read ahead and not run: a reader waiting to add one goes on
                 plans.get_nowait()
-            await self._published()  # every step that ran has its result out (or Redis is gone)
-            with contextlib.suppress(TimeoutError):  # it stops after its current XREAD
-                await asyncio.wait_for(asyncio.shield(reading), READ_BLOCK_MS / 1000 + EXIT_WRITE_SECONDS)
+            # Bounded, and without raising over what ended the loop: every step that ran has its
+            # result out (or Redis is gone), and the reader stops after its current XREAD.
+            tasks = {reading} | ({self._publishing} if self._publishing is not None else set())
+            await asyncio.wait(tasks, timeout=READ_BLOCK_MS / 1000 + EXIT_WRITE_SECONDS)
             self._heartbeat_stop.set()
             await self._deregister(heartbeat)
 
@@ -194,14 +195,6 @@ class Worker:
                     last_id = entry_id
                     await plans.put((entry_id, fields))
 
-    async def _published(self) -> None:
-        """Until the last result handed to the publisher is in Redis (bounded when stopping)."""
-        if self._publishing is not None and not self._publishing.done():
-            if self.draining:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._publishing), EXIT_WRITE_SECONDS)
-            else:
-                await self._publishing
 
     async def _start_draining(self) -> None:
         """Say so at once (not at the next heartbeat): the scheduler stops sending new requests."""
@@ -261,7 +254,8 @@ class Worker:
         for handle, message in decoded.unknown:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
-        await self._published()  # results go out in order: the previous one had a whole step to go
+        if self._publishing is not None:  # results go out in order: the previous one had a whole step to go
+            await self._publishing
         self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan.plan_id))
 
     async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
