@@ -18,7 +18,9 @@ Checks:
    same tokens), over batch sizes that need padding and contexts that cross a bucket.
 Benchmark: decode tok/s at batch 1, 16 and 64 (context ~256), eager and with CUDA graphs, for
 SmolLM2-135M's and Llama-3.2-1B's shapes in bfloat16, beside the roofline: (weight bytes + KV
-bytes read per step) / memory bandwidth.
+bytes read per step) / memory bandwidth. On CUDA it also writes an emulated-executor profile
+calibrated from the Llama-3.2-1B steps (measured-<gpu>-llama3.2-1b.json beside the report: copy it
+into profiles/ to emulate that GPU as measured).
 """
 
 import argparse
@@ -36,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.worker.engine import Engine  # noqa: E402  (torch and numpy only)
+from services.worker.hardware import profile_from_measurement  # noqa: E402  (the standard library only)
 from services.worker.kv_cache import PagedKVCache  # noqa: E402
 from services.worker.model import Llama  # noqa: E402
 from shared.model_file import ModelConfig  # noqa: E402
@@ -46,6 +49,7 @@ LLAMA_1B = ModelConfig(n_layers=16, hidden_size=2048, ffn_size=8192, n_heads=32,
                        rope_theta=500000.0, rms_norm_eps=1e-5, vocab_size=128256, context_length=8192)
 # Published HBM bandwidth (bytes/s) by device name; a measured copy is used when the name is unknown.
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "A100": 312}  # dense, datasheets (for a written profile)
 BLOCK_SIZE = 16
 
 
@@ -301,6 +305,39 @@ def benchmark(device: torch.device, quick: bool) -> list[dict]:
     return rows
 
 
+def measured_profile(rows: list[dict], device: torch.device, speed: float, source: str, out_dir: Path) -> Path | None:
+    """An emulated-executor profile (profiles/*.json format) calibrated from the Llama-3.2-1B decode
+    steps just measured: `--hardware <this file>` then emulates this GPU as measured."""
+    if device.type != "cuda" or not speed:
+        return None
+    mine = [row for row in rows if row["model"] == "Llama-3.2-1B"]
+    graphed = [row for row in mine if row["cuda_graphs"]] or mine
+    if not graphed:
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
+    if peak is None:
+        print(f"no published peak for {name}: no profile written", flush=True)
+        return None
+    config = LLAMA_1B
+    model = {"n_layers": config.n_layers, "hidden_size": config.hidden_size, "ffn_size": config.ffn_size,
+             "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "head_dim": config.head_dim,
+             "vocab_size": config.vocab_size, "context_length": config.context_length, "dtype_bytes": 2,
+             "tied_embeddings": True, "gated_ffn": True}
+    memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    slug = "".join(character if character.isalnum() else "-" for character in name.lower()).strip("-")
+    profile = profile_from_measurement(
+        f"measured-{slug}-llama3.2-1b", model,
+        {"name": name, "memory_bandwidth_gb_s": speed / 1e9, "peak_tflops": peak, "memory_gb": round(memory_gb, 1),
+         "source": source}, graphed[0]["context"], {row["batch"]: row["step_ms"] / 1000 for row in graphed})
+    profile["description"] = f"Llama-3.2-1B's shape (random weights) in bfloat16 on {name}, as measured"
+    path = out_dir / f"{profile['name']}.json"
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"profile written: {path} (memory efficiency {profile['efficiency']['memory']:.0%}, launch "
+          f"{profile['efficiency']['launch_ms']:.2f} ms)", flush=True)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (small sizes) even if CUDA is there")
@@ -318,6 +355,9 @@ def main() -> None:
     out = args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
                        Path(__file__).resolve().parent / "results" / f"gpu_check{'_cpu' if quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    speed, source = bandwidth(device)
+    profile = measured_profile(report["benchmark"], device, speed, source, out.parent)
+    report["profile_written"] = str(profile) if profile else None
     out.write_text(json.dumps(report, indent=2) + "\n")
     failed = [check["check"] for check in report["checks"] if not check["passed"]]
     print(f"\n{len(report['checks']) - len(failed)} of {len(report['checks'])} checks passed "

@@ -189,3 +189,69 @@ def test_the_whole_system_on_emulated_workers_says_so_and_gives_exact_seeded_out
         worker_lines = [line for line in system.log().splitlines() if line.startswith("worker-")]
         assert worker_lines and all("EMULATED[h100-llama3-8b]" in line for line in worker_lines
                                     if " INFO " in line or " WARNING " in line)
+
+
+def test_a_profile_written_from_measured_steps_reproduces_them_and_loads(tmp_path):
+    """benchmarks/gpu_check.py writes a profile from decode steps measured on a lent GPU: fed the
+    steps a known profile gives, the fit recovers its memory efficiency and launch cost."""
+    from services.worker.hardware import PROFILES, profile_from_measurement
+
+    known = json.loads((PROFILES / "h100-llama3-8b.json").read_text())
+    original = load_profile("h100-llama3-8b")
+    measured = {batch: original.decode_step_seconds(batch, 256) for batch in (1, 16, 64)}
+    written = profile_from_measurement("measured-h100-llama3-8b", known["model"], known["device"], 256, measured)
+    assert written["efficiency"]["memory"] == pytest.approx(0.77, abs=1e-3)
+    assert written["efficiency"]["launch_ms"] == pytest.approx(0.3, abs=1e-3)
+    assert "measured by benchmarks/gpu_check.py" in written["efficiency"]["calibration"]
+    profile = load_profile_from(written, tmp_path)
+    for batch, seconds in measured.items():
+        assert profile.decode_step_seconds(batch, 256) == pytest.approx(seconds, rel=1e-3)
+    # One point only: no launch to fit, the whole step is bandwidth.
+    single = profile_from_measurement("one", known["model"], known["device"], 256, {1: measured[1]})
+    assert single["efficiency"]["launch_ms"] == 0.0
+    assert load_profile_from(single, tmp_path).decode_step_seconds(1, 256) == pytest.approx(measured[1], rel=1e-3)
+
+
+def load_profile_from(data: dict, folder):
+    path = folder / f"{data['name']}.json"
+    path.write_text(json.dumps(data))
+    return load_profile(str(path))
+
+
+def test_the_gpu_check_writes_a_profile_the_emulated_executor_loads(tmp_path, monkeypatch):
+    """The CUDA-only end of benchmarks/gpu_check.py, run here with the device's answers stubbed
+    (no GPU on this machine): from its Llama-3.2-1B rows it writes a profile that loads and
+    reproduces the measured steps."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=141e9))
+    config = gpu_check.LLAMA_1B
+    truth = parse_profile({  # what the GPU "measures": this shape at 70% of 4.8 TB/s, 0.2 ms a step
+        "model": {"n_layers": config.n_layers, "hidden_size": config.hidden_size, "ffn_size": config.ffn_size,
+                  "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "head_dim": config.head_dim,
+                  "vocab_size": config.vocab_size, "context_length": config.context_length, "dtype_bytes": 2,
+                  "tied_embeddings": True},
+        "device": {"memory_bandwidth_gb_s": 4800, "peak_tflops": 989, "memory_gb": 141},
+        "efficiency": {"memory": 0.7, "compute": 0.6, "launch_ms": 0.2}})
+    steps = {batch: truth.decode_step_seconds(batch, 256) for batch in (1, 16, 64)}
+    rows = [{"model": "Llama-3.2-1B", "cuda_graphs": True, "batch": batch, "context": 256, "step_ms": 1000 * seconds}
+            for batch, seconds in steps.items()]
+    rows += [{"model": "SmolLM2-135M", "cuda_graphs": True, "batch": 1, "context": 256, "step_ms": 0.2}]
+    written = gpu_check.measured_profile(rows, torch.device("cuda"), 4.8e12, "published", tmp_path)
+    assert written == tmp_path / "measured-nvidia-h200-llama3.2-1b.json"
+    profile = load_profile(str(written))
+    assert profile.device_name == "NVIDIA H200" and profile.peak_flops == 989e12
+    assert profile.memory_efficiency == pytest.approx(0.7, abs=1e-3)
+    assert profile.launch_seconds == pytest.approx(0.0002, abs=1e-6)
+    for batch, seconds in steps.items():
+        assert profile.decode_step_seconds(batch, 256) == pytest.approx(seconds, rel=1e-3)
+    assert gpu_check.measured_profile(rows, torch.device("cpu"), 0.0, "none", tmp_path) is None

@@ -40,16 +40,17 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
+from services.bench.experiments import _f
 from services.bench.runner import BenchConfig, finite, machine_info, run_benchmark
 from services.bench.server import REPO, ServerProcess
 from services.bench.workloads import WorkloadConfig
 from services.gateway.store import Store
+from services.scheduler.service import PHASES
 from shared import keys
 from shared.messages import IterationRecord, RequestRecord, SamplingParams
 from shared.wire import WireError, decode
 
 RESULTS = REPO / "benchmarks" / "results"
-PHASES = ("plan", "encode", "redis", "decode", "apply", "fanout")
 BUSY_TARGET = 0.95
 STATUS_TIMEOUT_SECONDS = 10.0
 SUBMIT_CHUNK = 16
@@ -179,6 +180,7 @@ def measure(before: dict, after: dict, records: list[IterationRecord]) -> dict:
 
 
 def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
+    # room for every active request at its longest (16-token blocks), so KV never limits the batch
     blocks_per_worker = sizes.requests_per_worker * -(-(sizes.prompt_tokens + sizes.output_tokens) // 16) + 256
     return ServerProcess(workers=workers, kv_blocks=blocks_per_worker,
                          extra_args=("--executor", "emulated", "--hardware", profile,
@@ -217,7 +219,8 @@ async def http_case(sizes: Sizes, seed: int) -> dict:
         workload = WorkloadConfig(name="orca", input_range=(sizes.prompt_tokens, sizes.prompt_tokens),
                                   output_range=(sizes.output_tokens, sizes.output_tokens))
         duration = sizes.warmup_seconds + sizes.seconds + 5
-        config = BenchConfig(url=server.url, workload=workload, num_requests=100_000, concurrency=sizes.http_clients,
+        config = BenchConfig(url=server.url, workload=workload, num_requests=64 * sizes.http_clients,
+                             concurrency=sizes.http_clients,
                              seed=seed, max_duration=duration, progress=False, label="control-plane http")
         running = asyncio.create_task(run_benchmark(config))
         await asyncio.sleep(sizes.warmup_seconds)
@@ -237,10 +240,6 @@ def largest_busy_fleet(rows: list[dict], profile: str) -> int:
     """The largest fleet whose every worker was at least 95% busy (0: not even one)."""
     kept = [row["workers"] for row in rows if row["profile"] == profile and row["busy_min"] >= BUSY_TARGET]
     return max(kept, default=0)
-
-
-def _ms(value: float) -> str:
-    return f"{value:.2f}" if value == value else "-"
 
 
 def markdown(report: dict) -> str:
@@ -263,11 +262,11 @@ def markdown(report: dict) -> str:
     for row in rows:
         phases = row["phase_cpu_us_per_iteration"]
         lines.append(
-            f"| {row['profile']} | {_ms(row['mean_decode_step_ms'])} | {row['workers']} | {row['mean_batch']:.1f} | "
+            f"| {row['profile']} | {_f(row['mean_decode_step_ms'], 2)} | {row['workers']} | {row['mean_batch']:.1f} | "
             f"{row['busy_min']:.2f} | {row['busy_mean']:.2f} | {row['plans_per_s']:.0f} | "
             f"{row['scheduler_cpu_share']:.0%} | {row['scheduler_cpu_us_per_iteration']:.0f} | "
             + " | ".join(f"{phases[phase]:.0f}" for phase in PHASES)
-            + f" | {_ms(row['gap_ms_per_iteration'])} |")
+            + f" | {_f(row['gap_ms_per_iteration'], 2)} |")
     lines += ["", "Largest fleet one scheduler keeps every worker at least 95% busy:", ""]
     for profile, fleet in report["largest_busy_fleet"].items():
         lines.append(f"- {profile} (emulated): {fleet or 'none of the fleets measured'}")

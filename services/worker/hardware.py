@@ -164,3 +164,29 @@ def parse_profile(data: dict, default_name: str = "") -> HardwareProfile:
         memory_efficiency=fraction(efficiency, "memory"), compute_efficiency=fraction(efficiency, "compute"),
         launch_seconds=launch / 1000, source=str(device.get("source", "")),
         calibration=str(efficiency.get("calibration", "")))
+
+
+def profile_from_measurement(name: str, model: dict, device: dict, context: int,
+                             measured: dict[int, float], compute_efficiency: float = 0.6) -> dict:
+    """A profile (as its JSON object) calibrated from decode steps measured on a real device:
+    measured = {batch: seconds per decode step at `context`}, two batch sizes or more. Decode is
+    memory-bound, so step = bytes / (bandwidth x efficiency) + launch: the smallest and largest
+    batches give the two unknowns (with one point, or a fit that noise makes impossible, launch is 0).
+    The compute efficiency is not measured by decode steps: it is the given assumption, and says so."""
+    template = {"name": name, "model": model, "device": device,
+                "efficiency": {"memory": 1.0, "compute": compute_efficiency, "launch_ms": 0.0}}
+    ideal = parse_profile(template)  # efficiency 1, no launch: bytes over bandwidth
+    small, large = min(measured), max(measured)
+    seconds_per_ideal = (measured[large] - measured[small]) / (ideal.decode_step_seconds(large, context)
+                                                                - ideal.decode_step_seconds(small, context) or 1)
+    launch = measured[small] - seconds_per_ideal * ideal.decode_step_seconds(small, context)
+    if large == small or not 1 <= seconds_per_ideal or launch < 0:
+        seconds_per_ideal, launch = measured[small] / ideal.decode_step_seconds(small, context), 0.0
+    memory = min(1.0, 1 / seconds_per_ideal)
+    steps = ", ".join(f"batch {batch}: {1000 * seconds:.3f} ms" for batch, seconds in sorted(measured.items()))
+    template["efficiency"] = {
+        "memory": round(memory, 4), "compute": compute_efficiency, "launch_ms": round(1000 * launch, 4),
+        "calibration": f"measured by benchmarks/gpu_check.py: decode steps at context {context} ({steps}); "
+                       f"memory efficiency and launch fitted to them; compute efficiency assumed"}
+    parse_profile(template)  # what is written loads
+    return template
