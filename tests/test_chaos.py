@@ -2,6 +2,7 @@
 Redis, all on 127.0.0.1), and what must hold afterwards: nothing lost, nothing duplicated, every
 output unchanged.
 
+Every scenario runs twice: against the model, and against emulated workers (`executor` below).
 Greedy and seeded requests are deterministic (the randomness of token k is a function of the
 request's seed and k only), so each scenario's outputs are compared with a fault-free run of the
 same requests (the module's `baseline`). Each test runs its own Cluster (tests/cluster.py): every
@@ -380,8 +381,9 @@ def test_a_failing_scenario_leaves_no_process_behind():
     assert not cluster.directory.exists(), "its logs and Redis data are removed"
 
 
-# The executors: the model on the CPU, and emulated GPU steps (a few ms each), which expose races
-# that 100 ms steps hide. Emulated tokens are exact functions of (seed, output index), so the same
+# The executors: the model on the CPU, and emulated GPU steps (h100-qwen2.5-32b: ~25 ms each, 4-10x
+# faster than the CPU's, yet long enough that a fault lands while 40-token requests run), which
+# expose races that slow steps hide. Emulated tokens are exact functions of (seed, output index), so the same
 # checks hold: each executor's faulty runs are compared with its own fault-free run.
 
 EXECUTORS = {
