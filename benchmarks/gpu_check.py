@@ -115,9 +115,11 @@ def prompts(count: int, length: int, vocab_size: int, seed: int = 1) -> list[lis
     return [generator.integers(0, vocab_size, size=length).tolist() for _ in range(count)]
 
 
-def run_greedy(engine: Engine, prompt_ids: list[list[int]], steps: int) -> tuple[dict, dict]:
+def run_greedy(engine: Engine, prompt_ids: list[list[int]], steps: int, forced: dict | None = None) -> tuple[dict, dict]:
     """Prefill every prompt in one step, then `steps` decode steps of the whole batch: tokens and
-    logits ([steps + 1, V] float32 on the host) per request."""
+    logits ([steps + 1, V] float32 on the host) per request. With `forced` (request id -> tokens),
+    each request feeds those tokens instead of its own (teacher forcing: logits stay comparable even
+    where a lower precision picks another token)."""
     engine.reset()
     ids = [f"r{index}" for index in range(len(prompt_ids))]
     for request_id in ids:
@@ -127,7 +129,8 @@ def run_greedy(engine: Engine, prompt_ids: list[list[int]], steps: int) -> tuple
     tokens = {request_id: [outcome.tokens[request_id]] for request_id in ids}
     logits = {request_id: [outcome.logits[request_id]] for request_id in ids}
     for step in range(1, steps + 1):
-        items = [Item(request_id, (tokens[request_id][-1],), len(prompt) + step - 1, True, step)
+        fed = {request_id: (forced or tokens)[request_id][step - 1] for request_id in ids}
+        items = [Item(request_id, (fed[request_id],), len(prompt) + step - 1, True, step)
                  for request_id, prompt in zip(ids, prompt_ids)]
         outcome = engine.step(items, return_logits=True)
         for request_id in ids:
@@ -152,28 +155,6 @@ def compare(name: str, reference: tuple[dict, dict], other: tuple[dict, dict], a
             "token_agreement": agreement}
 
 
-def teacher_forced(engine: Engine, prompt_ids: list[list[int]], forced: dict) -> tuple[dict, dict]:
-    """Like run_greedy, but every request feeds the given tokens (so logits stay comparable even
-    where a lower precision picks another token)."""
-    engine.reset()
-    ids = list(forced)
-    for request_id in ids:
-        engine.add_request(request_id, Greedy())
-    outcome = engine.step([Item(request_id, tuple(prompt), 0, True, 0) for request_id, prompt in zip(ids, prompt_ids)],
-                          return_logits=True)
-    tokens = {request_id: [outcome.tokens[request_id]] for request_id in ids}
-    logits = {request_id: [outcome.logits[request_id]] for request_id in ids}
-    for step in range(1, len(forced[ids[0]])):
-        items = [Item(request_id, (forced[request_id][step - 1],), len(prompt) + step - 1, True, step)
-                 for request_id, prompt in zip(ids, prompt_ids)]
-        outcome = engine.step(items, return_logits=True)
-        for request_id in ids:
-            tokens[request_id].append(outcome.tokens[request_id])
-            logits[request_id].append(outcome.logits[request_id])
-    engine.reset()
-    return tokens, {request_id: torch.stack(rows) for request_id, rows in logits.items()}
-
-
 def checks(device: torch.device, quick: bool) -> list[dict]:
     results = []
     config = SMOLLM2
@@ -193,7 +174,7 @@ def checks(device: torch.device, quick: bool) -> list[dict]:
         del fp32
         bf16 = make_engine(config, device, torch.bfloat16, weights, kv_blocks=256)
         results.append(compare("bfloat16 CUDA vs float32 CPU (teacher-forced logits)", reference,
-                               teacher_forced(bf16, prompt_ids, reference[0]), atol=0.05, min_agreement=0.9))
+                               run_greedy(bf16, prompt_ids, steps, forced=reference[0]), atol=0.05, min_agreement=0.9))
         del bf16, weights
     graph_device, dtype = (device, torch.bfloat16) if device.type == "cuda" else (cpu, torch.float32)
     weights = {name: tensor.to(graph_device) for name, tensor in cpu_weights.items()}
