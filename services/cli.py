@@ -22,7 +22,10 @@ SERVICE_OPTIONS = {
     "--redis-url": ("redis_url", str, "Redis URL, e.g. redis://:password@host:6379/0 (env REDIS_URL)"),
     "--host": ("host", str, "gateway bind address (default 127.0.0.1)"),
     "--port": ("port", int, "gateway port (default 8000)"),
-    "--model": ("model", str, "model name or path to a GGUF file (default: SmolLM2-135M-Instruct)"),
+    "--model": ("model", str, "model name, path to a GGUF file, or a Hugging Face checkpoint directory "
+                          "(default: SmolLM2-135M-Instruct)"),
+    "--served-model-name": ("served_model_name", str, "the model's name in the API (default: the file's or "
+                                                      "directory's name)"),
     "--policy": ("policy", str, "iteration (Orca) or request (FasterTransformer-style baseline)"),
     "--request-results": ("request_results", str,
                           "policy request: batch (results when the whole batch is done, as in Orca's baseline) or stream"),
@@ -105,6 +108,17 @@ def require_redis(settings: Settings, parser: argparse.ArgumentParser) -> None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
 
 
+def require_model(settings: Settings, parser: argparse.ArgumentParser) -> None:
+    """A missing or unservable model (file, directory, architecture, tensor type, tokenizer) stops
+    every service at start with one line saying what was found and what is supported."""
+    from shared.model_file import ModelFileError, load_metadata
+
+    try:
+        load_metadata(settings.model)
+    except ModelFileError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = settings_from(args)
     configure_logging(settings)
+    require_model(settings, parser)
     if args.command == "up":
         from services.launcher import run_up
 

@@ -23,7 +23,8 @@ class Settings(BaseModel):
     redis_url: str = ""  # empty: `iterserve up` starts a private redis-server
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    model: str = DEFAULT_MODEL  # the model's name, or a path to a GGUF file
+    model: str = DEFAULT_MODEL  # the packaged model's name, a GGUF file, or a checkpoint directory
+    served_model_name: str = ""  # the model's name in the API; empty: the file's or directory's name
     # Scheduling
     policy: Literal["iteration", "request"] = "iteration"
     # Policy "request" only: "batch" returns a batch's results together once the whole batch is

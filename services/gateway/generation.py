@@ -124,7 +124,7 @@ async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: Gener
         size = len(params.prompt)
 
         def work() -> list[int]:
-            return tokenizer.encode(params.prompt)
+            return tokenizer.encode_prompt(params.prompt)
     else:
         token_ids = list(params.prompt)
         bad = next((token_id for token_id in token_ids if not 0 <= token_id < tokenizer.vocab_size), None)

@@ -45,9 +45,12 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def pick_dtype(name: str, device: torch.device, stored: str = "") -> torch.dtype:
+    """auto: float32 on the CPU; on CUDA the checkpoint's own float16 or bfloat16, else bfloat16."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.float16 if stored == "float16" else torch.bfloat16
     return DTYPES[name]
 
 
@@ -95,7 +98,7 @@ class Engine(RequestRows):
         started = time.perf_counter()
         metadata = load_metadata(settings.model)
         device = pick_device(settings.device)
-        dtype = pick_dtype(settings.dtype, device)
+        dtype = pick_dtype(settings.dtype, device, metadata.stored_dtype)
         graphs = settings.cuda_graphs and device.type == "cuda"
         if settings.cuda_graphs and not graphs:
             log.warning("event=cuda_graphs_ignored device=%s reason=not_cuda", device)

@@ -1,10 +1,15 @@
-"""Llama in plain torch, with Orca's selective batching.
+"""Llama in plain torch, with Orca's selective batching; Mistral and Qwen2/Qwen3 as named differences.
 
 Every op but attention runs once on the step's tokens flattened to [T, H] (T = sum of the
 requests' token counts, prefill chunks and decode tokens mixed); attention is handed to
 services/worker/attention.py, which splits it per request against each one's paged KV.
 Shapes: T tokens, H hidden, Hq query heads, Hkv KV heads, D head dim, V vocabulary.
+
+The families differ in three places only (shared/model_file.py ARCHITECTURES): Qwen2's biases on
+Q/K/V, Qwen3's per-head RMS norm of Q and K, and the rotary frequencies' scaling (Llama 3.1).
 """
+
+import math
 
 from dataclasses import dataclass
 
@@ -24,6 +29,9 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 F, H]: SwiGLU gate and up fused
     down: torch.Tensor  # [H, F]
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) D]: Qwen2
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3
+    k_norm: torch.Tensor | None = None  # [D]: Qwen3
 
 
 # On CPU, a projection of at most this many rows (decode steps, small prefill chunks) runs as
@@ -57,14 +65,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # token count dynamic, and every layer reuses the compiled code.
 
 
-def attention_inputs(x: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def attention_inputs(x: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
+                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                      n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
     """[T, H] -> q [T, Hq, D], k and v [T, Hkv, D], rotary applied to q and k."""
     h = rms_norm(x, norm, eps)
-    q, k, v = linear(h, qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    projected = linear(h, qkv)
+    if qkv_bias is not None:
+        projected = projected + qkv_bias
+    q, k, v = projected.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
     q = q.view(-1, n_heads, head_dim)
     k = k.view(-1, n_kv_heads, head_dim)
     v = v.view(-1, n_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
@@ -78,6 +92,32 @@ def attention_output_and_ffn(x: torch.Tensor, attended: torch.Tensor, out: torch
 
 def final_logits(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     return linear(rms_norm(x, norm, eps), lm_head).float()
+
+
+def inverse_frequencies(config: ModelConfig, frequency_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """The rotary embedding's [D / 2] inverse frequencies (float64), scaled as the config says.
+
+    "llama3" is Llama 3.1's scaling, as transformers computes it: wavelengths longer than the
+    original context / low_freq_factor are divided by the factor, shorter than original context /
+    high_freq_factor kept, and the band between interpolated. A GGUF carries the same result as
+    per-frequency divisors (llama.cpp's rope_freqs.weight), passed as frequency_factors.
+    """
+    dim = config.head_dim
+    inverse = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if frequency_factors is not None:
+        inverse = inverse / frequency_factors.to(torch.float64)
+    if config.rope_scaling == "linear":
+        inverse = inverse / config.rope_factor
+    elif config.rope_scaling == "llama3":
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        original = config.rope_original_context
+        wavelength = 2 * math.pi / inverse
+        scaled = torch.where(wavelength > original / low, inverse / factor, inverse)
+        smooth = (original / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        inverse = torch.where(medium, smoothed, scaled)
+    return inverse
 
 
 def compiled(function):
@@ -98,6 +138,9 @@ class Llama:
         def tensor(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
+        def optional(name: str, present: bool) -> torch.Tensor | None:
+            return tensor(name) if present else None
+
         self.embedding = tensor("token_embd.weight")  # [V, H]
         self.lm_head = tensor("output.weight") if "output.weight" in weights else self.embedding  # tied
         self.final_norm = tensor("output_norm.weight")
@@ -109,13 +152,16 @@ class Llama:
                 ffn_norm=tensor(f"blk.{i}.ffn_norm.weight"),
                 gate_up=torch.cat([tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")]).contiguous(),
                 down=tensor(f"blk.{i}.ffn_down.weight"),
+                qkv_bias=(torch.cat([tensor(f"blk.{i}.attn_{part}.bias") for part in "qkv"])
+                          if config.qkv_bias else None),
+                q_norm=optional(f"blk.{i}.attn_q_norm.weight", config.qk_norm),
+                k_norm=optional(f"blk.{i}.attn_k_norm.weight", config.qk_norm),
             )
             for i in range(config.n_layers)
         ]
-        inverse_frequencies = 1.0 / (
-            config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
-        )
-        angles = torch.outer(torch.arange(config.context_length, dtype=torch.float64), inverse_frequencies)
+        factors = weights["rope_freqs.weight"] if "rope_freqs.weight" in weights else None
+        angles = torch.outer(torch.arange(config.context_length, dtype=torch.float64),
+                             inverse_frequencies(config, factors))
         angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
         self.rope_cos = angles.cos().to(device=device, dtype=dtype)  # [context, D]
         self.rope_sin = angles.sin().to(device=device, dtype=dtype)
@@ -135,8 +181,8 @@ class Llama:
         sin = self.rope_sin[positions].unsqueeze(1)
         x = self.embedding.index_select(0, token_ids)  # [T, H]
         for layer_index, layer in enumerate(self.layers):
-            q, k, v = self.attention_inputs(x, layer.attn_norm, layer.qkv, cos, sin, config.n_heads,
-                                            config.n_kv_heads, config.head_dim, eps)
+            q, k, v = self.attention_inputs(x, layer.attn_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
+                                            cos, sin, config.n_heads, config.n_kv_heads, config.head_dim, eps)
             kv_cache.write(layer_index, batch.slot_mapping, k, v)
             attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch, layer_index)  # [T, Hq D]
             x = self.attention_output_and_ffn(x, attended, layer.out, layer.ffn_norm, layer.gate_up, layer.down, eps)

@@ -334,7 +334,13 @@ def make_engine(settings: Settings):
         except ProfileError as error:
             log.error("event=bad_hardware_profile error=%s", error)
             raise SystemExit(f"iterserve worker: {error}") from None
-    return Engine.from_settings(settings)
+    from shared.model_file import ModelFileError
+
+    try:
+        return Engine.from_settings(settings)
+    except ModelFileError as error:  # found only once the weights are opened (a tensor missing)
+        log.error("event=bad_model error=%s", error)
+        raise SystemExit(f"iterserve worker: {error}") from None
 
 
 async def run_worker(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
