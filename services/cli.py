@@ -23,9 +23,9 @@ SERVICE_OPTIONS = {
     "--host": ("host", str, "gateway bind address (default 127.0.0.1)"),
     "--port": ("port", int, "gateway port (default 8000)"),
     "--model": ("model", str, "model name, path to a GGUF file, or a Hugging Face checkpoint directory "
-                          "(default: SmolLM2-135M-Instruct)"),
-    "--served-model-name": ("served_model_name", str, "the model's name in the API (default: the file's or "
-                                                      "directory's name)"),
+                          "(default: SmolLM2-135M-Instruct); up and gateway: once per model to serve several"),
+    "--served-model-name": ("served_model_name", str, "the model's name in the API, once per --model (default: "
+                                                      "the file's or directory's name)"),
     "--policy": ("policy", str, "iteration (Orca) or request (FasterTransformer-style baseline)"),
     "--request-results": ("request_results", str,
                           "policy request: batch (results when the whole batch is done, as in Orca's baseline) or stream"),
@@ -63,16 +63,25 @@ SERVICE_OPTIONS = {
 }
 
 
+LIST_OPTIONS = ("model", "served_model_name")
+
+
 def add_service_options(parser: argparse.ArgumentParser) -> None:
     for option, (field, kind, help_text) in SERVICE_OPTIONS.items():
         if kind is bool:
             parser.add_argument(option, dest=field, action="store_true", default=None, help=help_text)
+        elif field in LIST_OPTIONS:  # given once per model: `--model A --model B`
+            parser.add_argument(option, dest=field, type=kind, action="append", default=None, help=help_text)
         else:
             parser.add_argument(option, dest=field, type=kind, default=None, help=help_text)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return Settings.from_env(**{field: getattr(args, field, None) for field, _, _ in SERVICE_OPTIONS.values()})
+    values = {field: getattr(args, field, None) for field, _, _ in SERVICE_OPTIONS.values()}
+    for field in LIST_OPTIONS:
+        if values[field] is not None:
+            values[field] = ",".join(values[field])
+    return Settings.from_env(**values)
 
 
 def configure_logging(settings: Settings) -> None:
@@ -108,15 +117,19 @@ def require_redis(settings: Settings, parser: argparse.ArgumentParser) -> None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
 
 
-def require_model(settings: Settings, parser: argparse.ArgumentParser) -> None:
+def require_model(settings: Settings, command: str, parser: argparse.ArgumentParser) -> None:
     """A missing or unservable model (file, directory, architecture, tensor type, tokenizer) stops
     every service at start with one line saying what was found and what is supported."""
-    from shared.model_file import ModelFileError, load_metadata
+    from shared.model_file import ModelFileError
+    from shared.served_models import served_models
 
     try:
-        load_metadata(settings.model)
+        models = served_models(settings)
     except ModelFileError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if len(models) > 1 and command in ("scheduler", "worker"):
+        parser.exit(2, f"{parser.prog}: error: a {command} serves one model; start one per model, each with its "
+                       "--model, --served-model-name and ITERSERVE_MODEL_GROUP (`iterserve up` does)\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = settings_from(args)
     configure_logging(settings)
-    require_model(settings, parser)
+    require_model(settings, args.command, parser)
     if args.command == "up":
         from services.launcher import run_up
 

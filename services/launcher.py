@@ -21,6 +21,7 @@ from pathlib import Path
 import redis
 
 from shared.config import Settings, threads_per_worker
+from shared.served_models import served_models
 from shared.redis_connection import credentials_error, redacted
 
 log = logging.getLogger("iterserve.up")
@@ -139,19 +140,26 @@ def run_up(settings: Settings) -> int:
     elif problem := credentials_error(settings.redis_url):
         log.error("event=redis_refused %s", problem)
         return 2
-    threads = settings.threads or threads_per_worker(settings.workers)
+    models = served_models(settings)
+    threads = settings.threads or threads_per_worker(settings.workers * len(models))
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
-    children = [Child("scheduler", service + ["scheduler"], env)]
-    for index in range(settings.workers):
-        # No fixed worker id: a restarted worker is a new worker (its predecessor's KV is gone).
-        worker_env = env | {"ITERSERVE_THREADS": str(threads), "ITERSERVE_WORKER_ID": ""}
-        children.append(Child(f"worker-{index + 1}", service + ["worker"], worker_env))
+    children = []
+    for served in models:  # a scheduler and --workers workers per model, in the model's pool of keys
+        suffix = f"-{served.name}" if len(models) > 1 else ""
+        model_env = env | {"ITERSERVE_MODEL": served.path, "ITERSERVE_SERVED_MODEL_NAME": served.name,
+                           "ITERSERVE_MODEL_GROUP": served.keys.group}
+        children.append(Child(f"scheduler{suffix}", service + ["scheduler"], model_env))
+        for index in range(settings.workers):
+            # No fixed worker id: a restarted worker is a new worker (its predecessor's KV is gone).
+            worker_env = model_env | {"ITERSERVE_THREADS": str(threads), "ITERSERVE_WORKER_ID": ""}
+            children.append(Child(f"worker{suffix}-{index + 1}", service + ["worker"], worker_env))
     children.append(Child("gateway", service + ["gateway"], env))
     for child in children:
         child.start()
-    log.info("event=up redis=%s gateway=http://%s:%d workers=%d threads_per_worker=%d",
-             redacted(settings.redis_url), settings.host, settings.port, settings.workers, threads)
+    log.info("event=up redis=%s gateway=http://%s:%d models=%s workers_per_model=%d threads_per_worker=%d",
+             redacted(settings.redis_url), settings.host, settings.port, ",".join(model.name for model in models),
+             settings.workers, threads)
 
     while not stop_requested.wait(0.2):
         for child in children:

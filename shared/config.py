@@ -23,8 +23,11 @@ class Settings(BaseModel):
     redis_url: str = ""  # empty: `iterserve up` starts a private redis-server
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    model: str = DEFAULT_MODEL  # the packaged model's name, a GGUF file, or a checkpoint directory
-    served_model_name: str = ""  # the model's name in the API; empty: the file's or directory's name
+    # The packaged model's name, a GGUF file, or a checkpoint directory; several comma-separated for
+    # `up` and the gateway (shared/served_models.py).
+    model: str = DEFAULT_MODEL
+    served_model_name: str = ""  # the model's name in the API (one per model); empty: the file's or directory's name
+    model_group: str = ""  # scheduler and worker of a deployment of several models: their model's group of keys
     # Scheduling
     policy: Literal["iteration", "request"] = "iteration"
     # Policy "request" only: "batch" returns a batch's results together once the whole batch is

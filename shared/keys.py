@@ -1,30 +1,77 @@
 """Every Redis key and stream name used by iterserve, in one place.
 
-All keys live under one prefix so several deployments can share a Redis.
+All keys live under one prefix so several deployments can share a Redis; a model's pool has
+its own group of keys (ModelKeys) when one deployment serves several models.
 """
 
 import re
+from dataclasses import dataclass
 
 PREFIX = "iterserve"
 # What a request id may look like (the gateway's are cmpl-<32 hex> and chatcmpl-<32 hex>): an id
 # read from Redis that does not match is malformed input, skipped.
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
-# Stream of new request ids (gateway -> scheduler). Entries: {"id": request_id}.
-NEW_REQUESTS_STREAM = f"{PREFIX}:requests:new"
-# Stream of cancellations (gateway -> scheduler). Entries: {"id": request_id}.
-CANCEL_STREAM = f"{PREFIX}:requests:cancel"
-# Set of request ids accepted and not yet finished: the scheduler rebuilds its pool from it.
-ACTIVE_REQUESTS_SET = f"{PREFIX}:requests:active"
-# Stream of plan results (workers -> scheduler).
-RESULTS_STREAM = f"{PREFIX}:results"
-# Stream of the scheduler's per-iteration records (the last Settings.iteration_records), for tests
-# and observability.
-ITERATIONS_STREAM = f"{PREFIX}:iterations"
-# Set of worker ids that have registered; each one's liveness is its heartbeat key.
-WORKERS_SET = f"{PREFIX}:workers"
-# Scheduler liveness key (value: msgpack SchedulerInfo, expires unless renewed).
-SCHEDULER_HEARTBEAT = f"{PREFIX}:scheduler:heartbeat"
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """The keys of one model's pool: its request streams, its active set, its workers and its
+    scheduler. A deployment of one model uses the unnamed group (the names below); several models
+    in one deployment each have their own group, so a model's scheduler only ever sees requests
+    for it and workers holding it. Request and token keys are shared (request ids are unique)."""
+
+    group: str = ""
+
+    def _key(self, name: str) -> str:
+        return f"{PREFIX}:{name}" if not self.group else f"{PREFIX}:model:{self.group}:{name}"
+
+    @property
+    def new_requests(self) -> str:
+        """Stream of new request ids (gateway -> scheduler). Entries: {"id": request_id}."""
+        return self._key("requests:new")
+
+    @property
+    def cancels(self) -> str:
+        """Stream of cancellations (gateway -> scheduler). Entries: {"id": request_id}."""
+        return self._key("requests:cancel")
+
+    @property
+    def active_requests(self) -> str:
+        """Set of request ids accepted and not yet finished: the scheduler rebuilds its pool from it."""
+        return self._key("requests:active")
+
+    @property
+    def results(self) -> str:
+        """Stream of plan results (workers -> scheduler)."""
+        return self._key("results")
+
+    @property
+    def iterations(self) -> str:
+        """Stream of the scheduler's per-iteration records (the last Settings.iteration_records),
+        for tests and observability."""
+        return self._key("iterations")
+
+    @property
+    def workers(self) -> str:
+        """Set of worker ids that have registered; each one's liveness is its heartbeat key."""
+        return self._key("workers")
+
+    @property
+    def scheduler_heartbeat(self) -> str:
+        """Scheduler liveness key (value: msgpack SchedulerInfo, expires unless renewed)."""
+        return self._key("scheduler:heartbeat")
+
+
+SINGLE_MODEL = ModelKeys()
+# The unnamed group's keys under their historical names (tests, benchmarks, docs).
+NEW_REQUESTS_STREAM = SINGLE_MODEL.new_requests
+CANCEL_STREAM = SINGLE_MODEL.cancels
+ACTIVE_REQUESTS_SET = SINGLE_MODEL.active_requests
+RESULTS_STREAM = SINGLE_MODEL.results
+ITERATIONS_STREAM = SINGLE_MODEL.iterations
+WORKERS_SET = SINGLE_MODEL.workers
+SCHEDULER_HEARTBEAT = SINGLE_MODEL.scheduler_heartbeat
 
 
 def request_key(request_id: str) -> str:

@@ -169,6 +169,11 @@ class WorkerInfo(Frozen):
     executor: Literal["engine", "emulated"] = "engine"  # emulated: no model runs (a benchmarking instrument)
     hardware: str = ""  # the emulated executor's profile
     busy_seconds: float = Field(0.0, ge=0)  # time inside steps since it started: busy fraction = its rate of change
+    # The model it holds: its API name, a content hash of its weights (shared/model_file.py
+    # weights_sha256) and what one token of KV costs (0 for the emulated executor).
+    model: str = ""
+    weights_sha256: str = ""
+    kv_bytes_per_token: int = Field(0, ge=0)
 
 
 class SchedulerInfo(Frozen):

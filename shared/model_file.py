@@ -146,6 +146,33 @@ def cache_dir_for(path: Path) -> Path:
     return directory
 
 
+def weights_sha256(metadata: ModelMetadata) -> str:
+    """A content hash of the model's weights (first 32 hex digits of a SHA-256): the GGUF file's, or
+    a checkpoint's safetensors files' in name order. Workers announce it, so that what "the same
+    model" means is the same bytes. A checkpoint's is cached by each file's size and mtime (hashing
+    takes about a second per GB)."""
+    if metadata.format == "gguf":
+        return Path(metadata.cache_dir).name.split("-", 1)[1]
+    shards = sorted(Path(metadata.path).glob("*.safetensors"))
+    stamp = json.dumps([[shard.name, shard.stat().st_size, shard.stat().st_mtime_ns] for shard in shards])
+    cache = cache_root() / "checkpoint-sha256" / hashlib.sha256(
+        (str(Path(metadata.path).resolve()) + stamp).encode()).hexdigest()[:32]
+    if cache.is_file():
+        return cache.read_text().strip()
+    digest = hashlib.sha256()
+    for shard in shards:
+        digest.update(shard.name.encode())
+        with open(shard, "rb") as file:
+            while chunk := file.read(1 << 22):
+                digest.update(chunk)
+    value = digest.hexdigest()[:32]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_suffix(f".tmp{os.getpid()}")
+    partial.write_text(value)
+    partial.replace(cache)
+    return value
+
+
 def _load_gguf_metadata(path: Path) -> tuple[ModelConfig, TokenizerData, str]:
     cache_dir = cache_dir_for(path)
     cached = cache_dir / METADATA_FILE

@@ -633,6 +633,9 @@ async def test_status_and_metrics(gateway, scheduler, redis_client):
         "id": "w1", "pid": 42, "device": "cpu", "kv_blocks_total": 100, "kv_blocks_free": 60, "running": 3,
         "draining": False,
     }  # fmt: skip
+    assert worker["model"] == "smollm2-135m-instruct"
+    assert body["models"]["smollm2-135m-instruct"] == {
+        "waiting": 2, "running": 3, "active_requests": 0, "workers": ["w1"], "scheduler": body["scheduler"]}
 
     assert (await post_json(gateway, COMPLETIONS, GOOD_COMPLETION))[0] == 200
     assert (await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "temperature": 9}))[0] == 400
@@ -646,9 +649,9 @@ async def test_status_and_metrics(gateway, scheduler, redis_client):
         "iterserve_gateway_time_to_first_token_seconds_count 1.0",
         "iterserve_gateway_time_per_output_token_seconds_count 1.0",
         "iterserve_gateway_e2e_request_latency_seconds_count 1.0",
-        "iterserve_scheduler_waiting_requests 2.0",
-        "iterserve_scheduler_running_requests 3.0",
-        "iterserve_live_workers 1.0",
+        'iterserve_scheduler_waiting_requests{model="smollm2-135m-instruct"} 2.0',
+        'iterserve_scheduler_running_requests{model="smollm2-135m-instruct"} 3.0',
+        'iterserve_live_workers{model="smollm2-135m-instruct"} 1.0',
     ]
     missing = [line for line in expected if line not in text]
     assert not missing, f"/metrics lacks {missing}:\n{text}"

@@ -17,11 +17,12 @@ from services.gateway.errors import ApiError, ServiceUnavailable, error_body, in
 from services.gateway.generation import create_chat_completion, create_completion, reattach_stream, visible_to
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
-from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayState
-from services.gateway.store import Store
+from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
+from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, Store
 from shared.config import Settings
-from shared.messages import SchedulerInfo
+from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata
+from shared.served_models import served_models
 from shared.redis_connection import connect
 
 if TYPE_CHECKING:
@@ -36,17 +37,17 @@ SHUTDOWN_TIMEOUT_SECONDS = 5.0  # open streams get this long before their handle
 
 def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.Application:
     """The gateway app; the Redis client opens on startup and closes on cleanup."""
-    if tokenizer is None:
-        from shared.tokenizer import Tokenizer  # noqa: F811 (the runtime import of the hint above)
+    from shared.tokenizer import Tokenizer  # noqa: F811 (the runtime import of the hint above)
 
-        tokenizer = Tokenizer.load(settings.model)
-    metadata = load_metadata(settings.model)
+    models = {}
+    for served in served_models(settings):  # tokenizer: the first model's, already loaded (tests)
+        model_tokenizer = tokenizer if tokenizer is not None and not models else Tokenizer.load(served.path)
+        context_length = load_metadata(served.path).config.context_length
+        models[served.name] = GatewayModel(served.name, model_tokenizer, context_length, served.keys)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware, access_middleware])
     app[STATE] = GatewayState(
         settings=settings,
-        tokenizer=tokenizer,
-        model_name=settings.served_model_name or metadata.name,
-        context_length=metadata.config.context_length,
+        models=models,
         metrics=GatewayMetrics(),
         started_at=int(time.time()),
         admission=Admission(settings, load_api_keys(settings)),
@@ -142,26 +143,27 @@ def _count_refusal(request: web.Request, status: int) -> None:
         request.app[STATE].metrics.requests.labels(endpoint, str(status)).inc()
 
 
-def _model_card(state: GatewayState) -> dict:
+def _model_card(state: GatewayState, model: GatewayModel) -> dict:
     return {
-        "id": state.model_name,
+        "id": model.name,
         "object": "model",
         "created": state.started_at,
         "owned_by": "iterserve",
-        "max_model_len": state.context_length,
+        "max_model_len": model.context_length,
     }
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model_card(state, model) for model in state.models.values()]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model_name"]
-    if name != state.model_name:
+    if name not in state.models:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-    return web.json_response(_model_card(state))
+    return web.json_response(_model_card(state, state.models[name]))
 
 
 async def get_request(request: web.Request) -> web.Response:
@@ -178,7 +180,7 @@ async def get_request(request: web.Request) -> web.Response:
             "status": request_state.status,
             "finish_reason": request_state.finish_reason,
             "created": int(record.arrival_time) if record else None,
-            "model": state.model_name,
+            "model": state.model_of(request_state).name,
             "prompt_tokens": len(record.prompt_token_ids) if record else None,
             "max_tokens": record.sampling.max_tokens if record else None,
             "token_events": await state.store.token_event_count(request_id),  # output entries so far
@@ -195,7 +197,7 @@ async def cancel_request(request: web.Request) -> web.Response:
         raise unknown_request(request_id)
     cancelled = not request_state.terminal
     if cancelled:
-        await state.store.cancel(request_id)
+        await state.store.cancel(request_id, state.model_of(request_state).keys)
     log.info("cancel requested id=%s status=%s cancel_sent=%s", request_id, request_state.status, cancelled)
     return web.json_response(
         {"id": request_id, "object": "request.cancel", "status": request_state.status, "cancelled": cancelled}
@@ -215,66 +217,95 @@ def stall_reason(scheduler: SchedulerInfo | None, stall_seconds: float, now: flo
     return None
 
 
+async def _views(state: GatewayState, timeout: float) -> list[tuple[GatewayModel, ClusterView]]:
+    """Every served model's pool, read concurrently."""
+    models = list(state.models.values())
+    views = await asyncio.gather(*(state.store.cluster_view(model.keys, timeout) for model in models))
+    return list(zip(models, views, strict=True))
+
+
 async def health(request: web.Request) -> web.Response:
-    """200 only when Redis, the scheduler and at least one worker are alive and requests move."""
+    """200 only when Redis, and for every served model its scheduler and at least one worker, are
+    alive and requests move."""
     state = request.app[STATE]
     unavailable = {"status": "unavailable"}
     if not await state.store.ping(HEALTH_TIMEOUT_SECONDS):
         return web.json_response({**unavailable, "missing": ["redis"]}, status=503)
     try:
-        view = await state.store.cluster_view(HEALTH_TIMEOUT_SECONDS)
+        views = await _views(state, HEALTH_TIMEOUT_SECONDS)
     except ServiceUnavailable:
         return web.json_response({**unavailable, "missing": ["redis"]}, status=503)
-    missing = []
-    if not view.scheduler_key_exists:
-        missing.append("scheduler")
-    if not view.live_worker_ids:
-        missing.append("workers")
-    stalled = stall_reason(view.scheduler, state.settings.stall_seconds, time.time())
-    if stalled:
-        missing.append("progress")
+    missing, reasons = [], []
+    for model, view in views:
+        suffix = f":{model.name}" if len(views) > 1 else ""  # which model lacks it, when there are several
+        if not view.scheduler_key_exists:
+            missing.append("scheduler" + suffix)
+        if not view.live_worker_ids:
+            missing.append("workers" + suffix)
+        stalled = stall_reason(view.scheduler, state.settings.stall_seconds, time.time())
+        if stalled:
+            missing.append("progress" + suffix)
+            reasons.append(stalled + suffix.replace(":", " for model ", 1))
     if missing:
         body = {**unavailable, "missing": missing}
-        if stalled:
-            body["reason"] = stalled
+        if reasons:
+            body["reason"] = "; ".join(reasons)
         return web.json_response(body, status=503)
     return web.json_response(
         {
             "status": "ok",
             "model": state.model_name,
-            "workers": len(view.live_worker_ids),
-            "waiting": view.scheduler.waiting if view.scheduler else 0,
-            "running": view.scheduler.running if view.scheduler else 0,
+            "workers": sum(len(view.live_worker_ids) for _, view in views),
+            "waiting": sum(view.scheduler.waiting for _, view in views if view.scheduler),
+            "running": sum(view.scheduler.running for _, view in views if view.scheduler),
+            "models": {model.name: {"workers": len(view.live_worker_ids)} for model, view in views},
         }
     )
 
 
+def _worker_status(model: GatewayModel, worker: WorkerInfo) -> dict:
+    return {
+        "id": worker.worker_id,
+        "model": model.name,
+        "weights_sha256": worker.weights_sha256,
+        "kv_bytes_per_token": worker.kv_bytes_per_token,
+        "pid": worker.pid,
+        "host": worker.host,
+        "device": worker.device,
+        "executor": worker.executor,
+        **({"hardware": worker.hardware} if worker.executor == "emulated" else {}),
+        "busy_seconds": round(worker.busy_seconds, 6),
+        "kv_blocks_total": worker.kv_blocks_total,
+        "kv_blocks_free": worker.kv_blocks_free,
+        "running": worker.running,
+        "draining": worker.draining,
+        "heartbeat_at": worker.heartbeat_at,
+    }
+
+
 async def status(request: web.Request) -> web.Response:
-    view = await request.app[STATE].store.cluster_view()
-    scheduler = view.scheduler
+    """Every worker of every model, the queue totals, and each model's own: its scheduler, queue
+    and workers (`scheduler` at the top is the first model's, as before there were several)."""
+    views = await _views(request.app[STATE], REDIS_TIMEOUT_SECONDS)
+    per_model = {
+        model.name: {
+            "waiting": view.scheduler.waiting if view.scheduler else 0,
+            "running": view.scheduler.running if view.scheduler else 0,
+            "active_requests": view.active_requests,
+            "workers": [worker.worker_id for worker in view.workers],
+            "scheduler": view.scheduler.model_dump(mode="json") if view.scheduler else None,
+        }
+        for model, view in views
+    }
+    first = per_model[views[0][0].name]
     return web.json_response(
         {
-            "workers": [
-                {
-                    "id": worker.worker_id,
-                    "pid": worker.pid,
-                    "host": worker.host,
-                    "device": worker.device,
-                    "executor": worker.executor,
-                    **({"hardware": worker.hardware} if worker.executor == "emulated" else {}),
-                    "busy_seconds": round(worker.busy_seconds, 6),
-                    "kv_blocks_total": worker.kv_blocks_total,
-                    "kv_blocks_free": worker.kv_blocks_free,
-                    "running": worker.running,
-                    "draining": worker.draining,
-                    "heartbeat_at": worker.heartbeat_at,
-                }
-                for worker in view.workers
-            ],
-            "waiting": scheduler.waiting if scheduler else 0,
-            "running": scheduler.running if scheduler else 0,
-            "active_requests": view.active_requests,
-            "scheduler": scheduler.model_dump(mode="json") if scheduler else None,
+            "workers": [_worker_status(model, worker) for model, view in views for worker in view.workers],
+            "waiting": sum(block["waiting"] for block in per_model.values()),
+            "running": sum(block["running"] for block in per_model.values()),
+            "active_requests": sum(block["active_requests"] for block in per_model.values()),
+            "scheduler": first["scheduler"],
+            "models": per_model,
         }
     )
 
@@ -282,10 +313,10 @@ async def status(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
-        view = await state.store.cluster_view(METRICS_TIMEOUT_SECONDS)
+        views = await _views(state, METRICS_TIMEOUT_SECONDS)
     except ServiceUnavailable:
-        view = None
-    state.metrics.observe_cluster(view)
+        views = None
+    state.metrics.observe_cluster(None if views is None else [(model.name, view) for model, view in views])
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

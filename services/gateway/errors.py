@@ -42,7 +42,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def unknown_model(model: str, served: str) -> ApiError:
     return ApiError(
         404,
-        f"The model `{model}` does not exist. This server serves `{served}`.",
+        f"The model `{model}` does not exist. This server serves {served}.",
         param="model",
         code="model_not_found",
     )

@@ -15,7 +15,7 @@ from jinja2 import TemplateError
 
 from services.gateway.admission import OPEN_KEY_ID, Ticket
 from services.gateway.api_models import GenerationParams, parse_body
-from services.gateway.errors import ApiError, bad_request, internal_error, unknown_model, unknown_request
+from services.gateway.errors import ApiError, bad_request, internal_error, unknown_request
 from services.gateway.responses import (
     CHAT,
     COMPLETIONS,
@@ -30,7 +30,7 @@ from services.gateway.responses import (
     sse,
     usage,
 )
-from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayState
+from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
 from services.gateway.store import RequestState
 from shared.messages import RequestRecord, TokenEvent
 
@@ -60,10 +60,9 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     settings = state.settings
     limits = {"max_stop_strings": settings.max_stop_strings, "max_stop_length": settings.max_stop_length}
     params = parse_body(endpoint.request_type, await request.read(), limits)
-    if params.model is not None and params.model != state.model_name:
-        raise unknown_model(params.model, state.model_name)
-    prompt_token_ids = await tokenize_prompt(state, endpoint, params)
-    max_tokens = resolve_max_tokens(state, endpoint, params, len(prompt_token_ids))
+    model = state.model(params.model)
+    prompt_token_ids = await tokenize_prompt(model, endpoint, params)
+    max_tokens = resolve_max_tokens(state, model, endpoint, params, len(prompt_token_ids))
     request_id = endpoint.new_request_id()
     sampling = params.sampling_params(max_tokens)
     client_key = request.get(CLIENT_KEY, OPEN_KEY_ID)
@@ -71,9 +70,9 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time,
         client_key=client_key,
     )
-    ticket = await admit(state, client_key, len(prompt_token_ids))
+    ticket = await admit(state, model, client_key, len(prompt_token_ids))
     try:
-        await state.store.submit(record)
+        await state.store.submit(record, model.name, model.keys)
     except BaseException:
         ticket.close()
         raise
@@ -83,7 +82,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         sampling.temperature, sampling.seed,
     )  # fmt: skip
     state.metrics.prompt_tokens.inc(len(prompt_token_ids))
-    answer = Answer(state, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
+    answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
                     logprobs=sampling.logprobs >= 0)
     answer.ticket = ticket
     request[ANSWER] = answer
@@ -96,11 +95,11 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         ticket.close()
 
 
-async def admit(state: GatewayState, client_key: str, prompt_tokens: int) -> Ticket:
+async def admit(state: GatewayState, model: GatewayModel, client_key: str, prompt_tokens: int) -> Ticket:
     """A place among the waiting requests, or a 429 (services/gateway/admission.py)."""
     admission = state.admission
-    if admission.needs_scheduler_view():
-        admission.note_scheduler(await state.store.scheduler_info())  # Redis down: 503, as submit would
+    if admission.needs_scheduler_view():  # Redis down: 503, as submit would
+        admission.note_scheduler(await state.store.scheduler_info(model.keys))
     return admission.admit(client_key, prompt_tokens)
 
 
@@ -112,8 +111,8 @@ def visible_to(request: web.Request, request_state: RequestState) -> bool:
     return request_state.record is not None and request_state.record.client_key == client_key
 
 
-async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: GenerationParams) -> list[int]:
-    tokenizer = state.tokenizer
+async def tokenize_prompt(model: GatewayModel, endpoint: Endpoint, params: GenerationParams) -> list[int]:
+    tokenizer = model.tokenizer
     if endpoint.is_chat:
         messages = [message.as_template_message() for message in params.messages]
         size = sum(len(message["content"]) for message in messages)
@@ -142,9 +141,10 @@ async def tokenize_prompt(state: GatewayState, endpoint: Endpoint, params: Gener
     return token_ids
 
 
-def resolve_max_tokens(state: GatewayState, endpoint: Endpoint, params: GenerationParams, prompt_tokens: int) -> int:
+def resolve_max_tokens(state: GatewayState, model: GatewayModel, endpoint: Endpoint, params: GenerationParams,
+                       prompt_tokens: int) -> int:
     """The output budget; a request that cannot fit the context or the server's limits is refused, never clipped."""
-    context = state.context_length
+    context = model.context_length
     prompt_limit, output_limit = state.settings.max_prompt_tokens, state.settings.max_tokens_limit
     if prompt_limit and prompt_tokens > prompt_limit:
         raise bad_request(
@@ -187,6 +187,7 @@ class Answer:
     def __init__(
         self,
         state: GatewayState,
+        model: GatewayModel,
         endpoint: Endpoint,
         request_id: str,
         created: int,
@@ -195,7 +196,7 @@ class Answer:
         start_index: int = 0,
         logprobs: bool = False,  # the request asked for logprobs
     ) -> None:
-        self.state, self.endpoint, self.request_id = state, endpoint, request_id
+        self.state, self.model, self.endpoint, self.request_id = state, model, endpoint, request_id
         self.created, self.prompt_tokens = created, prompt_tokens
         self.started, self.start_index = started, start_index
         self.pieces: list[str] = []
@@ -274,7 +275,7 @@ class Answer:
         return "".join(self.pieces)
 
     def logprobs_body(self) -> dict | None:
-        return logprobs_body(self.endpoint, self.logprobs, self.state.tokenizer)
+        return logprobs_body(self.endpoint, self.logprobs, self.model.tokenizer)
 
     def unsent_logprobs(self) -> dict | None:
         """The logprobs of the tokens not yet streamed (a token without text waits for the next chunk)."""
@@ -282,7 +283,7 @@ class Answer:
             return None
         unsent = self.logprobs[self._logprobs_sent :]
         self._logprobs_sent = len(self.logprobs)
-        return logprobs_body(self.endpoint, unsent, self.state.tokenizer)
+        return logprobs_body(self.endpoint, unsent, self.model.tokenizer)
 
 
 def transport_closed(request: web.Request) -> bool:
@@ -306,7 +307,7 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
     if event.finish_reason == "error":
         raise request_failed(answer.request_id)
     body = final_body(
-        answer.endpoint, answer.request_id, answer.created, answer.state.model_name,
+        answer.endpoint, answer.request_id, answer.created, answer.model.name,
         answer.text, event.finish_reason, token_usage, answer.logprobs_body(),
     )  # fmt: skip
     return web.json_response(body)
@@ -365,7 +366,7 @@ async def stream_answer(
 async def _stream_events(
     request: web.Request, response: web.StreamResponse, answer: Answer, include_usage: bool
 ) -> None:
-    chunks = ChunkWriter(answer.endpoint, answer.request_id, answer.created, answer.state.model_name, include_usage)
+    chunks = ChunkWriter(answer.endpoint, answer.request_id, answer.created, answer.model.name, include_usage)
     if answer.endpoint.is_chat:
         await response.write(chunks.role())
     last_write = time.monotonic()
@@ -430,6 +431,7 @@ async def reattach_stream(request: web.Request) -> web.StreamResponse:
     ticket = state.admission.open_stream(request.get(CLIENT_KEY, OPEN_KEY_ID))
     answer = Answer(
         state,
+        state.model_of(request_state),
         endpoint_of(request_id),
         request_id,
         int(record.arrival_time) if record else int(time.time()),

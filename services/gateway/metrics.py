@@ -49,9 +49,10 @@ class GatewayMetrics:
             "iterserve_gateway_requests_in_flight", "Generation requests this gateway is answering", registry=registry
         )
         # Read from the heartbeat keys at each scrape.
-        self.waiting = Gauge("iterserve_scheduler_waiting_requests", "Requests waiting", registry=registry)
-        self.running = Gauge("iterserve_scheduler_running_requests", "Requests running", registry=registry)
-        self.live_workers = Gauge("iterserve_live_workers", "Workers whose heartbeat key exists", registry=registry)
+        self.waiting = Gauge("iterserve_scheduler_waiting_requests", "Requests waiting", ["model"], registry=registry)
+        self.running = Gauge("iterserve_scheduler_running_requests", "Requests running", ["model"], registry=registry)
+        self.live_workers = Gauge("iterserve_live_workers", "Workers whose heartbeat key exists", ["model"],
+                                  registry=registry)
         self.kv_blocks_free = Gauge(
             "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=registry
         )
@@ -61,19 +62,20 @@ class GatewayMetrics:
         )
         self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=registry)
 
-    def observe_cluster(self, view: ClusterView | None) -> None:
-        """Refresh the gauges read from heartbeat keys (None: Redis did not answer)."""
-        self.redis_up.set(0 if view is None else 1)
-        if view is None:
+    def observe_cluster(self, views: "list[tuple[str, ClusterView]] | None") -> None:
+        """Refresh the gauges read from heartbeat keys, per model (None: Redis did not answer)."""
+        self.redis_up.set(0 if views is None else 1)
+        if views is None:
             return
-        self.waiting.set(view.scheduler.waiting if view.scheduler else 0)
-        self.running.set(view.scheduler.running if view.scheduler else 0)
-        self.live_workers.set(len(view.live_worker_ids))
-        self.kv_blocks_free.clear()
-        self.busy_seconds.clear()
-        for worker in view.workers:
-            self.kv_blocks_free.labels(worker.worker_id).set(worker.kv_blocks_free)
-            self.busy_seconds.labels(worker.worker_id, worker.executor).set(worker.busy_seconds)
+        for gauge in (self.waiting, self.running, self.live_workers, self.kv_blocks_free, self.busy_seconds):
+            gauge.clear()
+        for model, view in views:
+            self.waiting.labels(model).set(view.scheduler.waiting if view.scheduler else 0)
+            self.running.labels(model).set(view.scheduler.running if view.scheduler else 0)
+            self.live_workers.labels(model).set(len(view.live_worker_ids))
+            for worker in view.workers:
+                self.kv_blocks_free.labels(worker.worker_id).set(worker.kv_blocks_free)
+                self.busy_seconds.labels(worker.worker_id, worker.executor).set(worker.busy_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.gateway.store import Store
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, unknown_model
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.store import RequestState, Store
 from shared.config import Settings
+from shared.keys import ModelKeys
 
 if TYPE_CHECKING:
     from services.gateway.admission import Admission
@@ -21,12 +22,20 @@ log = logging.getLogger("iterserve.gateway")
 BACKGROUND_DRAIN_SECONDS = 5.0  # how long shutdown waits for pending cancellations
 
 
+@dataclass(frozen=True)
+class GatewayModel:
+    """One served model as the gateway sees it: its API name, tokenizer, context and pool's keys."""
+
+    name: str
+    tokenizer: "Tokenizer"
+    context_length: int
+    keys: ModelKeys
+
+
 @dataclass
 class GatewayState:
     settings: Settings
-    tokenizer: "Tokenizer"
-    model_name: str  # the only value of `model` the endpoints accept
-    context_length: int
+    models: dict[str, GatewayModel]  # by API name, in the order served: the first is the default
     metrics: GatewayMetrics
     started_at: int  # unix seconds: the model's `created`
     store: Store | None = None  # opened on app startup
@@ -35,6 +44,36 @@ class GatewayState:
     # Set when the gateway shuts down: the connections it closes are not clients leaving, so their
     # requests go on (a client re-attaches through another or a restarted gateway).
     stopping: bool = False
+
+    @property
+    def default_model(self) -> GatewayModel:
+        """The model of requests that name none (the first served)."""
+        return next(iter(self.models.values()))
+
+    @property
+    def tokenizer(self) -> "Tokenizer":
+        return self.default_model.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.default_model.name
+
+    @property
+    def context_length(self) -> int:
+        return self.default_model.context_length
+
+    def model(self, name: str | None) -> GatewayModel:
+        """The served model a request names (the default when it names none); 404 for another."""
+        if name is None:
+            return self.default_model
+        found = self.models.get(name)
+        if found is None:
+            raise unknown_model(name, ", ".join(f"`{served}`" for served in self.models))
+        return found
+
+    def model_of(self, request_state: RequestState) -> GatewayModel:
+        """The model a stored request was sent to."""
+        return self.models.get(request_state.model) or self.default_model
 
     def cancel_in_background(self, request_id: str, reason: str) -> None:
         """Cancel a request from a handler that is itself being cancelled (its client went away)."""
@@ -48,7 +87,7 @@ class GatewayState:
             if request_state is not None and request_state.terminal:
                 log.info("not cancelling id=%s status=%s reason=%s", request_id, request_state.status, reason)
                 return
-            await self.store.cancel(request_id)
+            await self.store.cancel(request_id, self.model_of(request_state).keys)
             log.info("cancel sent id=%s reason=%s", request_id, reason)
         except ApiError as error:
             log.warning("cancel failed id=%s reason=%s error=%s", request_id, reason, error.message)

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from services.gateway.errors import ServiceUnavailable
 from shared import keys
+from shared.keys import ModelKeys
 from shared.messages import RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
 from shared.wire import WireError, decode, decode_token_event, encode
 
@@ -37,7 +38,7 @@ STATUS_FINISH_REASON = {"finished": "stop", "cancelled": "cancelled", "failed": 
 
 T = TypeVar("T")
 
-# KEYS: request_key(id), CANCEL_STREAM; ARGV: id, CANCEL_FLAG.
+# KEYS: request_key(id), the model's cancel stream; ARGV: id, CANCEL_FLAG.
 CANCEL_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[2], '1') end
 return redis.call('XADD', KEYS[2], '*', 'id', ARGV[1])
@@ -49,6 +50,7 @@ class RequestState:
     status: str
     finish_reason: str | None
     record: RequestRecord | None  # None when the stored record does not decode
+    model: str = ""  # the API name of the model it was sent to ("" for requests stored before models had names)
 
     @property
     def terminal(self) -> bool:
@@ -115,8 +117,8 @@ class Store:
             await asyncio.wait(list(self._calls), timeout=BLOCK_MS / 1000 + 1)
         await self.redis.aclose()
 
-    async def submit(self, record: RequestRecord) -> None:
-        """Accept a request: record, active set and new-request stream in one MULTI/EXEC.
+    async def submit(self, record: RequestRecord, model: str = "", model_keys: ModelKeys = keys.SINGLE_MODEL) -> None:
+        """Accept a request for a model: record, its pool's active set and new-request stream in one MULTI/EXEC.
 
         When the caller gives up first (its client left, or Redis was too slow) and the
         transaction commits anyway, the request is cancelled at once: nobody waits for it.
@@ -125,25 +127,26 @@ class Store:
 
         async def transaction() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(keys.request_key(request_id), mapping={"record": encode(record), "status": "waiting"})
-                pipe.sadd(keys.ACTIVE_REQUESTS_SET, request_id)
-                pipe.xadd(keys.NEW_REQUESTS_STREAM, {"id": request_id})
+                pipe.hset(keys.request_key(request_id),
+                          mapping={"record": encode(record), "status": "waiting", "model": model})
+                pipe.sadd(model_keys.active_requests, request_id)
+                pipe.xadd(model_keys.new_requests, {"id": request_id})
                 await pipe.execute()
 
         async def cancel_orphan() -> None:
             log.info("accepted after its caller left, cancelling id=%s", request_id)
             try:
-                await self.cancel(request_id)
+                await self.cancel(request_id, model_keys)
             except ServiceUnavailable as error:
                 log.warning("cancel failed id=%s error=%s", request_id, error.message)
 
         await self._call(transaction(), on_late_success=cancel_orphan)
 
-    async def cancel(self, request_id: str) -> None:
+    async def cancel(self, request_id: str, model_keys: ModelKeys = keys.SINGLE_MODEL) -> None:
         """Flag the request cancelled in its hash (read by a scheduler that loads it later), then
-        tell the scheduler through the cancel stream, atomically. An expired request's hash is not
-        brought back: the flag is set only on a key that exists."""
-        await self._call(self._cancel_script(keys=[keys.request_key(request_id), keys.CANCEL_STREAM],
+        tell its model's scheduler through the cancel stream, atomically. An expired request's hash
+        is not brought back: the flag is set only on a key that exists."""
+        await self._call(self._cancel_script(keys=[keys.request_key(request_id), model_keys.cancels],
                                              args=[request_id, keys.CANCEL_FLAG]))
 
     async def request_state(self, request_id: str) -> RequestState | None:
@@ -162,6 +165,7 @@ class Store:
             status=raw.get(b"status", b"waiting").decode(errors="replace"),
             finish_reason=finish_reason.decode(errors="replace") if finish_reason else None,
             record=record,
+            model=raw.get(b"model", b"").decode(errors="replace"),
         )
 
     async def token_event_count(self, request_id: str) -> int:
@@ -237,13 +241,15 @@ class Store:
             log.warning("request ended without a final event id=%s status=%s", request_id, state.status)
         return TokenEvent(index=-1, token_id=-1, text="", finish_reason=reason)
 
-    async def cluster_view(self, timeout: float = REDIS_TIMEOUT_SECONDS) -> ClusterView:
+    async def cluster_view(self, model_keys: ModelKeys = keys.SINGLE_MODEL,
+                           timeout: float = REDIS_TIMEOUT_SECONDS) -> ClusterView:
+        """One model's pool: its scheduler and workers."""
         async def read() -> ClusterView:
             redis = self.redis
             scheduler_raw, members, active_requests = await asyncio.gather(
-                redis.get(keys.SCHEDULER_HEARTBEAT),
-                redis.smembers(keys.WORKERS_SET),
-                redis.scard(keys.ACTIVE_REQUESTS_SET),
+                redis.get(model_keys.scheduler_heartbeat),
+                redis.smembers(model_keys.workers),
+                redis.scard(model_keys.active_requests),
             )
             registered = sorted(member.decode(errors="replace") for member in members)
             heartbeat_keys = [keys.worker_heartbeat(worker_id) for worker_id in registered]
@@ -267,9 +273,10 @@ class Store:
 
         return await self._call(read(), timeout)
 
-    async def scheduler_info(self, timeout: float = REDIS_TIMEOUT_SECONDS) -> SchedulerInfo | None:
-        """The scheduler's last heartbeat, or None (no scheduler, or a heartbeat that does not decode)."""
-        raw = await self._call(self.redis.get(keys.SCHEDULER_HEARTBEAT), timeout)
+    async def scheduler_info(self, model_keys: ModelKeys = keys.SINGLE_MODEL,
+                             timeout: float = REDIS_TIMEOUT_SECONDS) -> SchedulerInfo | None:
+        """A model's scheduler's last heartbeat, or None (no scheduler, or a heartbeat that does not decode)."""
+        raw = await self._call(self.redis.get(model_keys.scheduler_heartbeat), timeout)
         if raw is None:
             return None
         try:

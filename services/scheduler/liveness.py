@@ -30,14 +30,14 @@ class WorkerLiveness:
 
     async def poll(self) -> None:
         redis = self.link.redis
-        members = await bounded(redis.smembers(keys.WORKERS_SET), REDIS_SLACK_SECONDS)
+        members = await bounded(redis.smembers(self.link.keys.workers), REDIS_SLACK_SECONDS)
         worker_ids = []
         for member in members:
             try:
                 worker_ids.append(member.decode())
             except UnicodeDecodeError:
                 log.warning("malformed_worker_id member=%r", member[:80])
-                self.link.queue("srem", keys.WORKERS_SET, member)
+                self.link.queue("srem", self.link.keys.workers, member)
         worker_ids.sort()
         values = []
         if worker_ids:
@@ -75,7 +75,7 @@ class WorkerLiveness:
         self.policy.worker_down(worker_id)
         self.codecs.pop(worker_id, None)
         self._started_at.pop(worker_id, None)
-        self.link.queue("srem", keys.WORKERS_SET, worker_id)
+        self.link.queue("srem", self.link.keys.workers, worker_id)
         self.link.queue("delete", keys.plan_stream(worker_id))
 
     def abandon_stalled_plans(self) -> None:

@@ -156,7 +156,7 @@ class RequestOutputs:
         ttl = self.request_ttl_seconds
         self._write(request_id, "hset", keys.request_key(request_id),
                     mapping={"status": status_for(reason), "finish_reason": reason})
-        self._write(request_id, "srem", keys.ACTIVE_REQUESTS_SET, request_id)
+        self._write(request_id, "srem", self.link.keys.active_requests, request_id)
         self._write(request_id, "expire", keys.request_key(request_id), ttl)
         self._write(request_id, "expire", keys.token_stream(request_id), ttl)
         self._outputs.pop(request_id, None)

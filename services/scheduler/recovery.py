@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from services.scheduler.output import RequestOutputs
 from services.scheduler.policy import SchedulerPolicy
-from services.scheduler.redis_link import INPUT_STREAMS, REDIS_SLACK_SECONDS, RedisLink, bounded, text_of
+from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, bounded, text_of
 from shared import keys
 from shared.messages import RequestRecord, TokenEvent
 from shared.tokenizer import find_stop
@@ -33,12 +33,12 @@ class PoolLoader:
         """Note where the input streams end, then load every active request with its output so far."""
         redis = self.link.redis
         pipe = redis.pipeline(transaction=False)
-        for stream in INPUT_STREAMS:
+        for stream in self.link.input_streams:
             pipe.xrevrange(stream, count=1)
-        pipe.smembers(keys.ACTIVE_REQUESTS_SET)
-        pipe.smembers(keys.WORKERS_SET)
+        pipe.smembers(self.link.keys.active_requests)
+        pipe.smembers(self.link.keys.workers)
         *tails, active, workers = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
-        for stream, tail in zip(INPUT_STREAMS, tails, strict=True):
+        for stream, tail in zip(self.link.input_streams, tails, strict=True):
             if tail:
                 self.link.read_ids[stream] = text_of(tail[0][0])
         await self._delete_orphan_plan_streams(workers)
@@ -47,7 +47,7 @@ class PoolLoader:
             request_id = keys.valid_request_id(member)
             if request_id is None:
                 log.warning("malformed_active_id member=%r", member[:80])
-                self.link.queue("srem", keys.ACTIVE_REQUESTS_SET, member)
+                self.link.queue("srem", self.link.keys.active_requests, member)
             else:
                 active_ids.append(request_id)
         active_ids.sort()
@@ -74,7 +74,7 @@ class PoolLoader:
         pipe = self.link.redis.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.hmget(keys.request_key(request_id), ["record", keys.CANCEL_FLAG])
-            pipe.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
+            pipe.sismember(self.link.keys.active_requests, request_id)
             pipe.xrange(keys.token_stream(request_id))
         replies = await bounded(pipe.execute(raise_on_error=False), REDIS_SLACK_SECONDS)
         for position, request_id in enumerate(request_ids):
@@ -113,7 +113,7 @@ class PoolLoader:
             output_token_ids.append(events[len(output_token_ids)].token_id)
         if raw_record is None:
             log.warning("request_without_record request_id=%s", request_id)
-            self.link.queue("srem", keys.ACTIVE_REQUESTS_SET, request_id)
+            self.link.queue("srem", self.link.keys.active_requests, request_id)
             self.link.queue("expire", keys.request_key(request_id), self.request_ttl_seconds)  # what is left goes
             self.link.queue("expire", keys.token_stream(request_id), self.request_ttl_seconds)
             return

@@ -30,7 +30,6 @@ T = TypeVar("T")
 READ_COUNT = 512  # entries per stream per XREAD
 REDIS_SLACK_SECONDS = 10.0  # a Redis call may take this much longer than its own block time
 TRIM_EVERY_ENTRIES = 256  # trim the input streams after this many entries read (or on the heartbeat)
-INPUT_STREAMS = (keys.NEW_REQUESTS_STREAM, keys.CANCEL_STREAM, keys.RESULTS_STREAM)
 
 # XADD, server side, for each (key, id, payload) of a msgpack array; an entry written before (a
 # round trip sent again) is skipped; the reply lists (position, error) of the entries that failed
@@ -94,11 +93,14 @@ def text_of(value: bytes | str | None) -> str | None:
 
 
 class RedisLink:
-    def __init__(self, redis: Any, on_write_failed: Callable[[Write, Exception], None]) -> None:
+    def __init__(self, redis: Any, on_write_failed: Callable[[Write, Exception], None],
+                 model_keys: keys.ModelKeys = keys.SINGLE_MODEL) -> None:
         self.redis = redis
         self.on_write_failed = on_write_failed
+        self.keys = model_keys  # the pool of the model this scheduler serves
+        self.input_streams = (model_keys.new_requests, model_keys.cancels, model_keys.results)
         self.writes: list[Write] = []  # commands for the next round trip
-        self.read_ids = {stream: "0-0" for stream in INPUT_STREAMS}  # where each input stream was read up to
+        self.read_ids = {stream: "0-0" for stream in self.input_streams}  # where each input stream was read up to
         self._trimmed_ids = dict(self.read_ids)
         self._read_since_trim = 0
 

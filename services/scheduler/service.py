@@ -80,7 +80,7 @@ class SchedulerService:
             pipeline_depth=settings.pipeline_depth,
             max_batch_tokens=settings.max_batch_tokens,
         )
-        self.link = RedisLink(redis, on_write_failed=self._write_failed)
+        self.link = RedisLink(redis, on_write_failed=self._write_failed, model_keys=keys.ModelKeys(settings.model_group))
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
         self.outputs = RequestOutputs(tokenizer, self.policy, self.link, self.holding, settings.request_ttl_seconds)
         self.codecs: dict[str, PlanCodec] = {}  # each worker's request handles and plans in flight
@@ -130,7 +130,7 @@ class SchedulerService:
     async def _shutdown(self) -> None:
         """Best effort: write what is pending and take the heartbeat key down."""
         try:
-            self.link.queue("delete", keys.SCHEDULER_HEARTBEAT)
+            self.link.queue("delete", self.link.keys.scheduler_heartbeat)
             await bounded(self.link.round_trip(block_ms=None, read=False), REDIS_SLACK_SECONDS)
         except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError, SchedulerStateError) as error:
             log.warning("shutdown_write_failed error=%r", error)
@@ -203,22 +203,22 @@ class SchedulerService:
 
     def postprocess(self, entries: Iterable) -> None:
         by_stream = {text_of(stream): items for stream, items in entries or ()}
-        for entry_id, fields in by_stream.get(keys.NEW_REQUESTS_STREAM, ()):
-            self.link.note_read(keys.NEW_REQUESTS_STREAM, entry_id)
+        for entry_id, fields in by_stream.get(self.link.keys.new_requests, ()):
+            self.link.note_read(self.link.keys.new_requests, entry_id)
             request_id = keys.valid_request_id(fields.get(b"id"))
             if not request_id:
                 log.warning("malformed_new_request entry=%s", text_of(entry_id))
                 continue
             self._pending_new.append(request_id)
-        for entry_id, fields in by_stream.get(keys.CANCEL_STREAM, ()):
-            self.link.note_read(keys.CANCEL_STREAM, entry_id)
+        for entry_id, fields in by_stream.get(self.link.keys.cancels, ()):
+            self.link.note_read(self.link.keys.cancels, entry_id)
             request_id = keys.valid_request_id(fields.get(b"id"))
             if not request_id:
                 log.warning("malformed_cancel entry=%s", text_of(entry_id))
                 continue
             self._cancel(request_id)
-        for entry_id, fields in by_stream.get(keys.RESULTS_STREAM, ()):
-            self.link.note_read(keys.RESULTS_STREAM, entry_id)
+        for entry_id, fields in by_stream.get(self.link.keys.results, ()):
+            self.link.note_read(self.link.keys.results, entry_id)
             started = time.process_time()
             try:
                 worker_id, raw = read_result(fields.get(b"m", b""))
@@ -258,7 +258,7 @@ class SchedulerService:
         self.last_iteration_at = time.time()
         if self.settings.iteration_records:
             for record in records:
-                self.link.queue("xadd", keys.ITERATIONS_STREAM, {"m": encode(record)},
+                self.link.queue("xadd", self.link.keys.iterations, {"m": encode(record)},
                                 maxlen=self.settings.iteration_records, approximate=False)
 
     def _write_failed(self, write: Write, error: Exception) -> None:
@@ -281,7 +281,7 @@ class SchedulerService:
             waiting_tokens=self.policy.waiting_tokens, cpu_seconds=time.process_time(),
             phase_cpu_seconds=dict(self.phase_cpu),
         )
-        self.link.queue_first(Write("set", (keys.SCHEDULER_HEARTBEAT, encode(info)),
+        self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
 
 

@@ -113,6 +113,12 @@ class Engine(RequestRows):
                  time.perf_counter() - started)
         return engine
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token's keys and values take in this engine's cache, over all layers."""
+        config, cache = self.config, self.kv_cache
+        return 2 * config.n_layers * config.n_kv_heads * config.head_dim * cache.keys[0].element_size()
+
     @staticmethod
     def kv_cache_for(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype,
                      scratch_block: bool = False) -> PagedKVCache:

@@ -34,6 +34,8 @@ from services.worker.rows import ItemRefusal, StepOutcome
 from services.worker.kv_cache import PagedKVCache
 from shared import keys
 from shared.config import Settings, threads_per_worker
+from shared.model_file import load_metadata, weights_sha256
+from shared.served_models import served_models
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.plans import DecodedPlan, PlanReader
@@ -80,6 +82,9 @@ class Worker:
         self._publishing: asyncio.Task | None = None  # the last result's publish
         self._consecutive_oom = 0
         self.reader = PlanReader()  # the handles the scheduler gave this worker's requests
+        served = served_models(settings)[0]  # a worker serves one model, in its model's pool of keys
+        self.model_name, self.keys = served.name, served.keys
+        self.weights_sha256 = weights_sha256(load_metadata(settings.model))
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_cache
@@ -89,14 +94,15 @@ class Worker:
             running=self.engine.running, draining=self.draining, started_at=self.started_at,
             heartbeat_at=time.time(), executor=self.engine.executor,
             hardware=self.engine.profile.name if self.engine.executor == "emulated" else "",
-            busy_seconds=self.busy_seconds,
+            busy_seconds=self.busy_seconds, model=self.model_name, weights_sha256=self.weights_sha256,
+            kv_bytes_per_token=getattr(self.engine, "kv_bytes_per_token", 0),
         )
 
     async def beat(self) -> None:
         timeout_ms = int(self.settings.worker_timeout_seconds * 1000)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(keys.worker_heartbeat(self.worker_id), encode(self.info()), px=timeout_ms)
-            pipe.sadd(keys.WORKERS_SET, self.worker_id)
+            pipe.sadd(self.keys.workers, self.worker_id)
             await pipe.execute()
 
     async def heartbeat_forever(self) -> None:
@@ -213,7 +219,7 @@ class Worker:
         async def writes() -> None:
             await heartbeat  # it stops at its next wait; a beat after the delete would re-register
             await self.redis.delete(keys.worker_heartbeat(self.worker_id))
-            await self.redis.srem(keys.WORKERS_SET, self.worker_id)
+            await self.redis.srem(self.keys.workers, self.worker_id)
 
         task = asyncio.create_task(writes())
         done, _ = await asyncio.wait({task}, timeout=EXIT_WRITE_SECONDS)
@@ -263,7 +269,7 @@ class Worker:
         while True:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(keys.RESULTS_STREAM, {b"m": result}, maxlen=RESULTS_KEPT, approximate=True)
+                    pipe.xadd(self.keys.results, {b"m": result}, maxlen=RESULTS_KEPT, approximate=True)
                     pipe.xtrim(stream, minid=entry_id, approximate=False)
                     await pipe.execute()
                 return
