@@ -602,12 +602,9 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
             final = token_events(cluster, result.output.request_id)[-1]
             if result.delete_answer is False:  # it had ended before the DELETE came
                 assert statuses[name] == b"finished", name
-            elif result.delete_answer is True and statuses[name] != b"finished":
+            elif result.delete_answer is True:  # the DELETE answers how the request ended
                 assert (statuses[name], final.finish_reason) == (b"cancelled", "cancelled"), name
-            elif statuses[name] == b"finished":
-                # A disconnect, or a DELETE the gateway answered `cancelled: true`, as the last token was
-                # being applied: the request ends complete, nothing lost. (A known race that fast
-                # emulated steps expose: the DELETE's answer then overstates; bounded below.)
+            elif statuses[name] == b"finished":  # a disconnect as the last token was written: no loss
                 assert final.finish_reason in ("length", "stop"), name
                 raced.append(name)
             else:
@@ -617,7 +614,7 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
         ended_first = sum(result.delete_answer is False for result in results.values())
         assert cancelled_count + ended_first + len(raced) == sent - len(never_accepted), \
             "a sent cancel is unaccounted for"
-        assert len(raced) <= max(2, sent // 10), f"{len(raced)} cancelled requests finished anyway"
+        assert len(raced) <= max(2, sent // 10), f"{len(raced)} disconnected clients' requests finished anyway"
         preempted = len(cluster.log_events("scheduler", "preempted request_id="))
     report("cancellation_storm", requests=len(STORM), cancels_sent=sent, cancelled=cancelled_count,
            ended_before_the_delete=ended_first, disconnect_raced_the_end=len(raced), never_accepted=len(never_accepted),

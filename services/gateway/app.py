@@ -18,7 +18,7 @@ from services.gateway.generation import create_chat_completion, create_completio
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
-from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, Store
+from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, RequestState, Store
 from shared.config import Settings
 from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata
@@ -32,7 +32,10 @@ log = logging.getLogger("iterserve.gateway")
 
 HEALTH_TIMEOUT_SECONDS = 2.0  # /health answers 503 rather than wait longer on Redis
 METRICS_TIMEOUT_SECONDS = 1.0
-SHUTDOWN_TIMEOUT_SECONDS = 5.0  # open streams get this long before their handlers are cancelled
+SHUTDOWN_TIMEOUT_SECONDS = 5.0
+# DELETE /v1/requests/{id} answers once the request has ended (the scheduler takes a cancel at its
+# next turn, milliseconds), or after this long with the cancel recorded but the request not ended.
+CANCEL_OUTCOME_WAIT_SECONDS, CANCEL_POLL_SECONDS = 5.0, 0.01  # open streams get this long before their handlers are cancelled
 
 
 def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.Application:
@@ -198,10 +201,26 @@ async def cancel_request(request: web.Request) -> web.Response:
     cancelled = not request_state.terminal
     if cancelled:
         await state.store.cancel(request_id, state.model_of(request_state).keys)
-    log.info("cancel requested id=%s status=%s cancel_sent=%s", request_id, request_state.status, cancelled)
+        # Answer with how the request ended, not with what was asked: a cancel that reaches the
+        # scheduler after it applied the request's last token changes nothing (it finished).
+        ended = await _ended(state, request_id, CANCEL_OUTCOME_WAIT_SECONDS)
+        if ended is not None:
+            request_state, cancelled = ended, ended.status == "cancelled"
+    log.info("cancel requested id=%s status=%s cancelled=%s", request_id, request_state.status, cancelled)
     return web.json_response(
         {"id": request_id, "object": "request.cancel", "status": request_state.status, "cancelled": cancelled}
     )
+
+
+async def _ended(state: GatewayState, request_id: str, timeout: float) -> RequestState | None:
+    """The request's state once it has ended (None if it has not within timeout: no scheduler)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(CANCEL_POLL_SECONDS)
+        found = await state.store.request_state(request_id)
+        if found is None or found.terminal:
+            return found
+    return None
 
 
 def stall_reason(scheduler: SchedulerInfo | None, stall_seconds: float, now: float) -> str | None:
