@@ -112,6 +112,28 @@ def wait_for_redis(url: str, timeout: float = 15.0) -> None:
         client.close()
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs workers may use, without importing torch: CUDA_VISIBLE_DEVICES when set, else what
+    nvidia-smi lists (none on a machine without NVIDIA's driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [device.strip() for device in visible.split(",") if device.strip()]
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
+
+
+def worker_gpu_env(settings: Settings, worker_index: int, gpus: list[str]) -> dict[str, str]:
+    """Worker i on GPU i (round-robin when there are more workers than GPUs): each sees one device,
+    as cuda:0. Nothing changes with one GPU or none, or when --device names a device itself."""
+    if settings.device not in ("auto", "cuda") or len(gpus) < 2:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": gpus[worker_index % len(gpus)]}
+
+
 def data_directory() -> Path:
     return Path(os.environ.get("ITERSERVE_DATA_DIR", Path.home() / ".local" / "share" / "iterserve"))
 
@@ -145,6 +167,8 @@ def run_up(settings: Settings) -> int:
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
     children = []
+    gpus = visible_gpus() if settings.executor == "engine" else []
+    worker_count = 0
     for served in models:  # a scheduler and --workers workers per model, in the model's pool of keys
         suffix = f"-{served.name}" if len(models) > 1 else ""
         model_env = env | {"ITERSERVE_MODEL": served.path, "ITERSERVE_SERVED_MODEL_NAME": served.name,
@@ -153,13 +177,15 @@ def run_up(settings: Settings) -> int:
         for index in range(settings.workers):
             # No fixed worker id: a restarted worker is a new worker (its predecessor's KV is gone).
             worker_env = model_env | {"ITERSERVE_THREADS": str(threads), "ITERSERVE_WORKER_ID": ""}
+            worker_env |= worker_gpu_env(settings, worker_count, gpus)
+            worker_count += 1
             children.append(Child(f"worker{suffix}-{index + 1}", service + ["worker"], worker_env))
     children.append(Child("gateway", service + ["gateway"], env))
     for child in children:
         child.start()
-    log.info("event=up redis=%s gateway=http://%s:%d models=%s workers_per_model=%d threads_per_worker=%d",
+    log.info("event=up redis=%s gateway=http://%s:%d models=%s workers_per_model=%d threads_per_worker=%d gpus=%s",
              redacted(settings.redis_url), settings.host, settings.port, ",".join(model.name for model in models),
-             settings.workers, threads)
+             settings.workers, threads, ",".join(gpus) if len(gpus) > 1 else "one or none: not assigned")
 
     while not stop_requested.wait(0.2):
         for child in children:

@@ -10,12 +10,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_docker_compose_file_is_valid_for_debian_docker_compose():
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]],
+                         ids=["cpu", "gpu"])
+def test_docker_compose_file_is_valid_for_debian_docker_compose(files):
     if shutil.which("docker-compose") is None:
         pytest.fail("docker-compose is not installed: `./dev test` installs it (apt-get install docker-compose)")
-    result = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "config", "-q"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    arguments = [part for name in files for part in ("-f", name)]
+    result = subprocess.run(["docker-compose", *arguments, "config"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stderr
+    if "docker-compose.gpu.yml" in files:  # the worker, and only it, reserves a GPU
+        worker, others = result.stdout.split("\n  worker:\n", 1)[1], result.stdout.split("\n  worker:\n", 1)[0]
+        assert "capabilities:\n            - gpu" in worker and "ITERSERVE_DEVICE: cuda" in worker
+        assert "capabilities" not in others
 
 
 def test_compose_runs_every_service_with_restart_policies_and_persistent_redis():
@@ -32,3 +39,23 @@ def test_readme_opens_with_exactly_the_two_setup_commands_that_exist():
     assert commands[:2] == ["up", "test"]
     ci = (REPO / ".ci" / "run").read_text()
     assert "./dev test" in ci
+
+
+def test_up_puts_worker_i_on_gpu_i_when_there_are_several(monkeypatch):
+    """`iterserve up --workers N` on a machine with several GPUs: each worker sees one GPU (round-robin);
+    with one GPU or none, or a device named by --device, nothing is assigned."""
+    from services.launcher import visible_gpus, worker_gpu_env
+    from shared.config import Settings
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,3")
+    gpus = visible_gpus()
+    assert gpus == ["0", "1", "3"]
+    assert [worker_gpu_env(Settings(), index, gpus) for index in range(4)] == [
+        {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "3"},
+        {"CUDA_VISIBLE_DEVICES": "0"}]
+    assert worker_gpu_env(Settings(device="cuda"), 1, gpus) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert worker_gpu_env(Settings(device="cpu"), 1, gpus) == {}
+    assert worker_gpu_env(Settings(device="cuda:2"), 1, gpus) == {}
+    assert worker_gpu_env(Settings(), 1, ["0"]) == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
