@@ -201,6 +201,8 @@ class IterationRecord(Frozen):
     request_ids: tuple[str, ...]  # every request in the batch
     joined: tuple[str, ...]  # requests whose first step this is
     finished: tuple[str, ...]  # requests that finished with this iteration's tokens
+    cancelled: tuple[str, ...] = ()  # requests of this batch cancelled after it was planned
+    preempted: tuple[str, ...] = ()  # requests of this batch taken off the worker (KV full, worker errors)
     prefill_tokens: int
     decode_tokens: int
     started_at: float

@@ -16,7 +16,7 @@ from services.gateway.app import create_app, warn_if_open
 from services.gateway.state import STATE
 from services.gateway.store import READ_COUNT
 from shared import keys
-from shared.messages import RequestRecord, TokenEvent
+from shared.messages import IterationRecord, RequestRecord, TokenEvent
 from shared.wire import decode, encode
 from tests.test_gateway import (  # noqa: F401 (tokenizer is a fixture)
     CHAT,
@@ -95,6 +95,32 @@ async def test_every_v1_request_needs_a_valid_key_while_health_and_openapi_stay_
     for path in ("/metrics", "/status"):  # not protected unless protect_observability
         async with asyncio.timeout(WAIT_SECONDS):
             assert (await keyed.get(path)).status == 200
+
+
+async def test_the_dashboard_page_is_open_and_its_iteration_feed_needs_a_key(keyed, redis_client):
+    """/dashboard is a static page with no data; /dashboard/events (the iteration records) is
+    behind the key whenever keys are on, and streams records once given one."""
+    async with asyncio.timeout(WAIT_SECONDS):
+        page = await keyed.get("/dashboard")
+        assert page.status == 200 and page.content_type == "text/html" and "/dashboard/events" in await page.text()
+    status, error, _ = await call(keyed, "GET", "/dashboard/events")
+    assert status == 401 and error["error"]["code"] is None
+    record = IterationRecord(iteration=7, worker_id="w1", plan_id=3, request_ids=("cmpl-a", "cmpl-b"), joined=(),
+                             finished=("cmpl-a",), cancelled=("cmpl-b",), prefill_tokens=0, decode_tokens=2,
+                             started_at=1.0, finished_at=1.5, step_seconds=0.25)
+    await redis_client.xadd(keys.ITERATIONS_STREAM, {"m": encode(record)})
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await keyed.get("/dashboard/events", headers=AUTH_A)
+        assert response.status == 200 and response.content_type == "text/event-stream"
+        events = {}
+        while not {"iteration", "latency"} <= set(events):
+            event = (await response.content.readuntil(b"\n\n")).decode()
+            name, data = event.split("\n")[0].removeprefix("event: "), event.split("\n")[1].removeprefix("data: ")
+            events[name] = json.loads(data)
+        response.close()
+    assert events["iteration"]["model"] == "smollm2-135m-instruct"
+    assert events["iteration"]["cancelled"] == ["cmpl-b"] and events["iteration"]["iteration"] == 7
+    assert set(events["latency"]) == {"ttft", "tpot"}
 
 
 async def test_protect_observability_puts_metrics_and_status_behind_a_key(

@@ -226,6 +226,25 @@ def test_finished_request_leaves_and_a_waiting_one_joins_at_the_next_plan():
         (("short", "long"), ("short", "long"), ("short",))]
 
 
+def test_iteration_records_say_which_requests_were_cancelled_or_preempted_off_the_worker():
+    """A cancel while the worker's latest record is still open goes into it; one that comes after
+    the record was written goes into the worker's next one (the live page shows both)."""
+    policy = make_policy(max_batch_size=4)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    for index, name in enumerate(("a", "b", "c")):
+        policy.add_request(record(name, arrival=index, max_tokens=8))
+    plan = policy.next_plan("w1")
+    policy.on_result(answer(plan))
+    policy.cancel("a")  # the record of this iteration is still open
+    [first] = policy.take_iteration_records()
+    assert (first.cancelled, first.finished) == (("a",), ())
+    plan = policy.next_plan("w1")
+    policy.cancel("b")  # its latest record is written: the next one says it
+    policy.on_result(answer(plan))
+    [second] = policy.take_iteration_records()
+    assert second.cancelled == ("b",) and second.finished == () and second.preempted == ()
+
+
 def _long_and_short_requests(policy_name: str):
     policy = make_policy(policy=policy_name, max_batch_size=2)
     policy.worker_up("w1", kv_blocks_total=1000, kv_block_size=4)

@@ -115,7 +115,7 @@ class Admission:
     def protects(self, path: str) -> bool:
         if not self.keys_required:
             return False
-        if path.startswith("/v1/") or path == "/v1":
+        if path.startswith("/v1/") or path == "/v1" or path == "/dashboard/events":
             return True
         return self.settings.protect_observability and path in ("/metrics", "/status")
 

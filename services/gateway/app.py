@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.admission import Admission, load_api_keys
+from services.gateway.dashboard import dashboard_events, dashboard_page
 from services.gateway.errors import ApiError, ServiceUnavailable, error_body, internal_error, unknown_request
 from services.gateway.generation import create_chat_completion, create_completion, reattach_stream, visible_to
 from services.gateway.metrics import GatewayMetrics
@@ -66,6 +67,8 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/dashboard", dashboard_page)
+    app.router.add_get("/dashboard/events", dashboard_events)
     app.on_startup.append(_open_redis)
     app.on_cleanup.append(_close_redis)
     return app

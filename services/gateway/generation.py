@@ -230,6 +230,7 @@ class Answer:
                     self.ticket.started()
                 if self.started is not None:
                     self.state.metrics.time_to_first_token.observe(now - self.started)
+                    self.state.metrics.recent.note("ttft", now - self.started)
             self.last_token_at = now
 
     def finish(self, event: TokenEvent) -> dict:
@@ -245,6 +246,7 @@ class Answer:
             if self.tokens_seen > 1:
                 decode_seconds = self.last_token_at - self.first_token_at
                 metrics.time_per_output_token.observe(decode_seconds / (self.tokens_seen - 1))
+                metrics.recent.note("tpot", decode_seconds / (self.tokens_seen - 1))
         log.info(
             "finished id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
             self.request_id, event.finish_reason, prompt_tokens, completion_tokens,

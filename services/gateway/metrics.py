@@ -1,5 +1,8 @@
 """Prometheus metrics of one gateway app (its own registry, so several apps can live in one process)."""
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.gateway.store import ClusterView
@@ -8,8 +11,35 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
 
 
+class RecentLatencies:
+    """This gateway's time to first token and time per output token over the last minute, for the
+    dashboard (Prometheus histograms are cumulative)."""
+
+    WINDOW_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self._samples: dict[str, deque[tuple[float, float]]] = {"ttft": deque(), "tpot": deque()}
+
+    def note(self, kind: str, seconds: float) -> None:
+        self._samples[kind].append((time.monotonic(), seconds))
+
+    def summary(self) -> dict[str, dict[str, float | int]]:
+        """Per kind: count, p50 and p90 in seconds over the window."""
+        horizon = time.monotonic() - self.WINDOW_SECONDS
+        summary = {}
+        for kind, samples in self._samples.items():
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
+            values = sorted(seconds for _, seconds in samples)
+            summary[kind] = {"count": len(values),
+                             "p50": values[len(values) // 2] if values else 0.0,
+                             "p90": values[min(len(values) - 1, int(len(values) * 0.9))] if values else 0.0}
+        return summary
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
+        self.recent = RecentLatencies()
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "iterserve_gateway_requests",

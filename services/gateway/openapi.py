@@ -351,6 +351,26 @@ def openapi_document(settings: Settings, model_name: str, keys_required: bool, c
                     },
                 },
             },
+            "/dashboard": {
+                "get": {
+                    "summary": "The live page of the iteration schedule (static HTML; holds no data)",
+                    "security": [],
+                    "responses": {"200": {"description": "the page",
+                                          "content": {"text/html": {"schema": {"type": "string"}}}}},
+                },
+            },
+            "/dashboard/events": {
+                "get": {
+                    "summary": "Server-sent events: `iteration` (every model's iteration records, the last 200 "
+                               "first) and, every second, `latency` (this gateway's over the last minute)",
+                    **({} if keys_required else {"security": []}),
+                    "responses": {
+                        "200": {"description": "an event stream",
+                                "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                        **(_error_responses(401) if keys_required else {}),
+                    },
+                },
+            },
         },
         "components": {"schemas": _schemas(settings, model_name, context_length, vocab_size)},
     }

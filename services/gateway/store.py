@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from services.gateway.errors import ServiceUnavailable
 from shared import keys
 from shared.keys import ModelKeys
-from shared.messages import RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
+from shared.messages import IterationRecord, RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
 from shared.wire import WireError, decode, decode_token_event, encode
 
 log = logging.getLogger("iterserve.gateway")
@@ -222,6 +222,37 @@ class Store:
                 if event.finish_reason is not None:
                     return
 
+    async def follow_iterations(self, streams: dict[str, str], backlog: int) -> AsyncIterator[
+            list[tuple[str, IterationRecord]]]:
+        """The iteration records of several models' streams (stream -> model name): the last
+        `backlog` of each first, then each new one as it comes; an empty list after every idle wait
+        (about BLOCK_MS) or Redis error, so the caller can check on its client."""
+        positions: dict[str, bytes | str] = {}
+        for stream, model in streams.items():
+            try:
+                entries = await self._call(self.redis.xrevrange(stream, count=backlog))
+            except ServiceUnavailable:
+                entries = []
+            positions[stream] = entries[0][0] if entries else "0-0"
+            yield [(model, record) for _, fields in reversed(entries) if (record := _decode_record(fields))]
+        while True:
+            try:
+                reply = await self._call(self.redis.xread(positions, count=READ_COUNT, block=BLOCK_MS),
+                                         BLOCK_MS / 1000 + REDIS_TIMEOUT_SECONDS)
+            except ServiceUnavailable:
+                await asyncio.sleep(0.2)
+                yield []
+                continue
+            records = []
+            for stream, entries in reply or []:
+                name = stream.decode() if isinstance(stream, bytes) else stream
+                for entry_id, fields in entries:
+                    positions[name] = entry_id
+                    record = _decode_record(fields)
+                    if record is not None:
+                        records.append((streams[name], record))
+            yield records
+
     async def _final_without_event(
         self, request_id: str, stream: str, last_entry_id: bytes | str
     ) -> TokenEvent | None:
@@ -296,6 +327,14 @@ def _settle(task: asyncio.Task) -> None:
     """Retrieve an abandoned command's outcome so asyncio does not log it as never retrieved."""
     if not task.cancelled():
         task.exception()
+
+
+def _decode_record(fields: dict) -> IterationRecord | None:
+    try:
+        return decode(IterationRecord, fields.get(b"m", b""))
+    except WireError as error:
+        log.warning("bad iteration record error=%s", error)
+        return None
 
 
 def _decode_event(request_id: str, fields: dict) -> TokenEvent | None:

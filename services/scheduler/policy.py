@@ -69,6 +69,8 @@ class _RecordDraft:
 
     in_flight: PlanInFlight
     finished: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     finished_at: float = 0.0
     step_seconds: float = 0.0
 
@@ -124,6 +126,9 @@ class SchedulerPolicy:
         self._iterations = 0
         self._drafts: list[_RecordDraft] = []
         self._latest_draft: dict[str, _RecordDraft] = {}
+        # Requests cancelled or preempted off a worker after its latest record was taken: they go
+        # into its next record (worker id -> (cancelled, preempted)).
+        self._left_since_record: dict[str, tuple[list[str], list[str]]] = {}
         self._finished_without_token: list[RequestState] = []
 
     # The pool of requests
@@ -207,6 +212,8 @@ class SchedulerPolicy:
                 request_ids=tuple(item.request_id for item in flight.plan.items),
                 joined=flight.joined,
                 finished=tuple(draft.finished),
+                cancelled=tuple(draft.cancelled),
+                preempted=tuple(draft.preempted),
                 prefill_tokens=flight.prefill_tokens,
                 decode_tokens=flight.decode_tokens,
                 started_at=flight.started_at,
@@ -245,6 +252,7 @@ class SchedulerPolicy:
             else:
                 self._requeue(worker, state)
         self._latest_draft.pop(worker_id, None)
+        self._left_since_record.pop(worker_id, None)
         log.info("worker_down worker_id=%s requeued=%d abandoned_plans=%s", worker_id, len(moved),
                  [flight.plan.plan_id for flight in worker.in_flight])
         return moved
@@ -336,6 +344,10 @@ class SchedulerPolicy:
         flight.started_at = max(flight.started_at, worker.last_result_at)  # it ran after the plan before it
         worker.last_result_at = now
         draft = _RecordDraft(flight, finished_at=now, step_seconds=result.step_seconds)
+        left = self._left_since_record.pop(worker.worker_id, None)
+        if left is not None:
+            draft.cancelled.extend(left[0])
+            draft.preempted.extend(left[1])
         self._drafts.append(draft)
         self._latest_draft[worker.worker_id] = draft
         errors = {error.request_id: error for error in result.errors}
@@ -573,6 +585,7 @@ class SchedulerPolicy:
         self._preempt(worker, state, code)
 
     def _preempt(self, worker: WorkerState, state: RequestState, why: str) -> None:
+        self._note_left(state, cancelled=False)
         self._requeue(worker, state)
         log.info("preempted request_id=%s worker_id=%s reason=%s output_tokens=%d",
                  state.request_id, worker.worker_id, why, len(state.output_token_ids))
@@ -592,10 +605,30 @@ class SchedulerPolicy:
         state.status = "waiting"
         self._enqueue(state)
 
-    def _end(self, state: RequestState, reason: FinishReason) -> None:
+    def _draft_with(self, state: RequestState) -> _RecordDraft | None:
+        """The record of its worker's latest answered iteration, if the request was in that batch."""
         draft = self._latest_draft.get(state.worker_id) if state.worker_id else None
         if draft is not None and any(item.request_id == state.request_id for item in draft.in_flight.plan.items):
-            draft.finished.append(state.request_id)
+            return draft
+        return None
+
+    def _note_left(self, state: RequestState, cancelled: bool) -> None:
+        """Record a running request taken off its worker (cancelled or preempted) in the worker's
+        current iteration record if it is still open and holds the request, else in its next one."""
+        draft = self._draft_with(state)
+        if draft is None and state.worker_id:
+            draft_lists = self._left_since_record.setdefault(state.worker_id, ([], []))
+            (draft_lists[0] if cancelled else draft_lists[1]).append(state.request_id)
+        elif draft is not None:
+            (draft.cancelled if cancelled else draft.preempted).append(state.request_id)
+
+    def _end(self, state: RequestState, reason: FinishReason) -> None:
+        if reason == "cancelled":
+            self._note_left(state, cancelled=True)
+        else:
+            draft = self._draft_with(state)
+            if draft is not None:
+                draft.finished.append(state.request_id)
         if state.status == "waiting":
             self._dequeue(state)
         self._release(state)

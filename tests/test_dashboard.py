@@ -1,0 +1,79 @@
+"""The live page, rendered by headless Chromium against `iterserve up` with traffic: every worker
+(named as /status names it) with its timeline of iterations, the waiting queue, latencies, and a
+cancelled request shown as cancelled."""
+
+import asyncio
+import json
+import os
+import shutil
+import urllib.request
+
+import aiohttp
+import pytest
+
+from tests.browser import Browser, chromium_binary
+from tests.system import System
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+async def test_the_dashboard_shows_every_worker_its_iterations_and_a_cancelled_request(tmp_path):
+    chromium_binary()  # skip (or fail in CI) before starting anything
+    with System(workers=2) as system:
+        for _ in range(240):  # healthy is one worker: wait for both
+            if len(get_json(f"{system.base_url}/status")["workers"]) == 2:
+                break
+            await asyncio.sleep(0.25)
+        async with Browser() as browser, aiohttp.ClientSession() as http:
+            await browser.open(f"{system.base_url}/dashboard")
+            await browser.wait_for("document.getElementById('waiting').textContent !== '–'", what="the queue")
+
+            async def complete(prompt: str, max_tokens: int) -> dict:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+                async with http.post(f"{system.base_url}/v1/completions", json=body) as response:
+                    return await response.json()
+
+            traffic = [asyncio.create_task(complete(f"Story number {index}: once upon a time", 24))
+                       for index in range(6)]
+            long_body = {"model": MODEL, "prompt": "Count slowly to a thousand:", "max_tokens": 400,
+                         "temperature": 0, "stream": True, "ignore_eos": True}
+            async with http.post(f"{system.base_url}/v1/completions", json=long_body) as stream:
+                request_id = stream.headers["X-Request-Id"]
+                for _ in range(8):  # some tokens out: it is running, in its worker's batches
+                    await stream.content.readuntil(b"\n\n")
+                async with http.delete(f"{system.base_url}/v1/requests/{request_id}") as cancel:
+                    assert (await cancel.json())["cancelled"] is True
+            # More iterations after the cancel: a cancel is in the record of its worker's next iteration
+            # when the latest one was already written.
+            traffic += [asyncio.create_task(complete(f"Afterwards {index}:", 8)) for index in range(4)]
+            await asyncio.gather(*traffic)
+
+            workers = [worker["id"] for worker in get_json(f"{system.base_url}/status")["workers"]]
+            assert len(workers) == 2
+            for worker_id in workers:
+                bars = await browser.wait_for(
+                    f"document.querySelectorAll('section.worker[data-worker-id=\"{worker_id}\"] .iteration').length",
+                    what=f"iterations of {worker_id}")
+                assert bars > 0
+                heading = await browser.evaluate(
+                    f"document.querySelector('section.worker[data-worker-id=\"{worker_id}\"] h2').textContent")
+                assert heading == worker_id
+            await browser.wait_for(f"!!document.querySelector('#events li.cancelled[data-request-id=\"{request_id}\"]')",
+                                   what=f"the cancelled request {request_id}")
+            batch = await browser.evaluate("document.querySelector('.iteration.with-cancel') !== null")
+            assert batch, "the batch the cancelled request was in is marked"
+            await browser.wait_for("document.getElementById('ttft').textContent !== '–'", what="time to first token")
+            info = await browser.evaluate("document.querySelector('section.worker .info').textContent")
+            assert f"model {MODEL}" in info and "KV" in info
+            assert await browser.evaluate("document.getElementById('problem').textContent") == ""
+            screenshot = tmp_path / "dashboard.png"
+            await browser.screenshot(screenshot)
+            assert screenshot.stat().st_size > 10_000
+            if os.environ.get("ITERSERVE_DASHBOARD_SCREENSHOT"):  # to refresh the README's picture
+                shutil.copy(screenshot, os.environ["ITERSERVE_DASHBOARD_SCREENSHOT"])
