@@ -215,22 +215,21 @@ def test_a_gguf_with_an_unsupported_tensor_type_is_refused_at_start_naming_it(ch
     assert "tensor type Q8_1 is not supported" in start_error(str(path), tmp_path)
 
 
-def test_a_directory_without_a_tokenizer_is_refused_at_start(checkpoints, tmp_path):
-    _, directory = checkpoints["llama"]
-    partial = tmp_path / "no-tokenizer"
-    partial.mkdir()
+def copy_checkpoint(directory, destination, leave_out: str = ""):
+    destination.mkdir()
     for file in directory.iterdir():
-        if file.name != "tokenizer.json":
-            (partial / file.name).write_bytes(file.read_bytes())
+        if file.name != leave_out:
+            (destination / file.name).write_bytes(file.read_bytes())
+    return destination
+
+
+def test_a_directory_without_a_tokenizer_is_refused_at_start(checkpoints, tmp_path):
+    partial = copy_checkpoint(checkpoints["llama"][1], tmp_path / "no-tokenizer", leave_out="tokenizer.json")
     assert "missing tokenizer.json" in start_error(str(partial), tmp_path)
 
 
 def test_an_unknown_architecture_is_refused_at_start_listing_the_supported_ones(checkpoints, tmp_path):
-    _, directory = checkpoints["llama"]
-    other = tmp_path / "gpt2"
-    other.mkdir()
-    for file in directory.iterdir():
-        (other / file.name).write_bytes(file.read_bytes())
+    other = copy_checkpoint(checkpoints["llama"][1], tmp_path / "gpt2")
     config = json.loads((other / "config.json").read_text()) | {"architectures": ["GPT2LMHeadModel"]}
     (other / "config.json").write_text(json.dumps(config))
     message = start_error(str(other), tmp_path)
