@@ -69,10 +69,15 @@ def read_gguf_metadata(path: Path) -> tuple[ModelConfig, TokenizerData]:
 
 def _tokenizer_data(reader, path: Path) -> TokenizerData:
     model = str(_field(reader, "tokenizer.ggml.model"))
-    pre = str(_field(reader, "tokenizer.ggml.pre", "gpt2"))
-    if model != "gpt2" or pre not in SUPPORTED_PRE_TOKENIZERS:
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    if model == "gpt2" and pre == "default":
+        pre = "gpt2"
+    if not (model == "llama" or model == "gpt2" and pre in SUPPORTED_PRE_TOKENIZERS):
         raise ModelFileError(f"{path}: tokenizer {model!r} with pre-tokenizer {pre!r} is not supported; supported: "
-                             f"'gpt2' (byte-level BPE) with {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
+                             f"'gpt2' (byte-level BPE) with {', '.join(SUPPORTED_PRE_TOKENIZERS)}, and 'llama' "
+                             "(SentencePiece BPE: Llama 2, Mistral)")
+    if model == "llama" and not _field(reader, "tokenizer.ggml.add_space_prefix", True):
+        raise ModelFileError(f"{path}: a SentencePiece tokenizer without add_space_prefix is not supported")
     tokens = [str(token) for token in _field(reader, "tokenizer.ggml.tokens")]
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
     stop = {eos} | {index for index, token in enumerate(tokens) if token in END_OF_GENERATION_TOKENS}
@@ -88,7 +93,9 @@ def _tokenizer_data(reader, path: Path) -> TokenizerData:
         chat_template=str(_field(reader, "tokenizer.chat_template", "")),
         stop_token_ids=tuple(sorted(stop)),
         pre_tokenizer=pre,
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
+        tokenizer_model=model,
+        scores=tuple(float(score) for score in _field(reader, "tokenizer.ggml.scores", [])) if model == "llama" else (),
     )
 
 

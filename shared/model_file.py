@@ -99,6 +99,8 @@ class TokenizerData:
     add_bos: bool = False  # whether a raw (completion) prompt starts with BOS
     bos_token: str = ""  # checkpoint directory only: the strings the chat template sees
     eos_token: str = ""
+    tokenizer_model: str = "gpt2"  # GGUF only: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)
+    scores: tuple[float, ...] = ()  # GGUF "llama" tokenizers: each token's score (its merges come from them)
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ def _load_gguf_metadata(path: Path) -> tuple[ModelConfig, TokenizerData, str]:
     cached = cache_dir / METADATA_FILE
     if cached.is_file():
         raw = json.loads(cached.read_text())
-        tokenizer = raw["tokenizer"] | {"stop_token_ids": tuple(raw["tokenizer"].get("stop_token_ids", ()))}
+        tokenizer = raw["tokenizer"] | {"stop_token_ids": tuple(raw["tokenizer"].get("stop_token_ids", ())),
+                                        "scores": tuple(raw["tokenizer"].get("scores", ()))}
         return ModelConfig(**raw["config"]), TokenizerData(**tokenizer), str(cache_dir)
     from shared.gguf_file import read_gguf_metadata  # slow import, only on a cold cache
 

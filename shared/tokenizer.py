@@ -3,7 +3,8 @@
 A checkpoint directory brings its tokenizer.json, loaded as it is. For a GGUF (which carries
 no tokenizer.json) the tokenizer is rebuilt from the vocabulary and merges: byte-level BPE,
 control tokens as special tokens, the split before BPE chosen by llama.cpp's pre-tokenizer name
-(PRE_TOKENIZER_REGEXES). The built tokenizer is saved as tokenizer.json in the model's cache
+(PRE_TOKENIZER_REGEXES); or, for a SentencePiece vocabulary (Llama 2, Mistral), BPE with merges
+rebuilt from the tokens' scores and byte fallback, as transformers rebuilds it. The built tokenizer is saved as tokenizer.json in the model's cache
 directory, so later starts load it in milliseconds. No torch here: the gateway and the
 scheduler use this module.
 
@@ -44,7 +45,12 @@ PRE_TOKENIZER_REGEXES = {
 }
 
 
-def _pre_tokenizer(name: str = "smollm") -> pre_tokenizers.PreTokenizer:
+SENTENCEPIECE_SPACE = "\u2581"  # "▁": a space, in SentencePiece vocabularies
+
+
+def _pre_tokenizer(name: str = "smollm", model: str = "gpt2") -> pre_tokenizers.PreTokenizer:
+    if model == "llama":  # SentencePiece BPE: spaces as "▁", one in front of the text (transformers' LlamaTokenizer)
+        return pre_tokenizers.Metaspace(replacement=SENTENCEPIECE_SPACE, prepend_scheme="first", split=False)
     if name in PRE_TOKENIZER_REGEXES:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEXES[name]), behavior="isolated"),
@@ -57,8 +63,24 @@ def _pre_tokenizer(name: str = "smollm") -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _decoder() -> decoders.Decoder:
+def _decoder(model: str = "gpt2") -> decoders.Decoder:
+    if model == "llama":
+        return decoders.Sequence([decoders.Replace(SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                  decoders.Strip(content=" ", left=1, right=0)])
     return decoders.ByteLevel()
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies (a GGUF stores scores, not merges): every
+    split of a token into two tokens, best score first, as transformers' generate_merges derives them."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for merged, score in zip(tokens, scores, strict=True):
+        pairs = [(merged[:cut], merged[cut:], score) for cut in range(1, len(merged))
+                 if merged[:cut] in vocab and merged[cut:] in vocab]
+        merges.extend(sorted(pairs, key=lambda pair: (vocab[pair[0]], vocab[pair[1]])))
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 @lru_cache(maxsize=1)
@@ -75,7 +97,10 @@ def byte_to_unicode() -> dict[int, str]:
 
 
 def build_backend(data: TokenizerData) -> BackendTokenizer:
-    """A `tokenizers` byte-level BPE from the GGUF's vocabulary and merges (slow: about 0.4 s)."""
+    """A `tokenizers` BPE from the GGUF's vocabulary: byte-level with its merges (slow: about 0.4 s),
+    or SentencePiece-style with merges from its scores and byte fallback (Llama 2, Mistral)."""
+    if data.tokenizer_model == "llama":
+        return _build_sentencepiece(data)
     spelling = byte_to_unicode()
     alphabet = set(spelling.values())
     # As transformers does: a token already written in the byte alphabet stays; any other is respelled.
@@ -106,13 +131,28 @@ def build_backend(data: TokenizerData) -> BackendTokenizer:
     return backend
 
 
+def _build_sentencepiece(data: TokenizerData) -> BackendTokenizer:
+    unknown = next((token for token, kind in zip(data.tokens, data.token_types, strict=True) if kind == 2), None)
+    backend = BackendTokenizer(models.BPE(
+        vocab={token: index for index, token in enumerate(data.tokens)},
+        merges=sentencepiece_merges(data.tokens, data.scores), unk_token=unknown, fuse_unk=True, byte_fallback=True,
+        dropout=None))
+    backend.pre_tokenizer = _pre_tokenizer(model="llama")
+    backend.decoder = _decoder("llama")
+    backend.add_special_tokens([AddedToken(token, normalized=False, special=True)
+                                for token, kind in zip(data.tokens, data.token_types, strict=True)
+                                if kind == CONTROL_TOKEN_TYPE])
+    return backend
+
+
 def _is_current(backend: BackendTokenizer, data: TokenizerData) -> bool:
     """Whether a cached tokenizer.json was built the way this code builds it now."""
+    expected_pre = _pre_tokenizer(data.pre_tokenizer, data.tokenizer_model)
     return (
         backend.pre_tokenizer is not None
-        and backend.pre_tokenizer.__getstate__() == _pre_tokenizer(data.pre_tokenizer).__getstate__()
+        and backend.pre_tokenizer.__getstate__() == expected_pre.__getstate__()
         and backend.decoder is not None
-        and backend.decoder.__getstate__() == _decoder().__getstate__()
+        and backend.decoder.__getstate__() == _decoder(data.tokenizer_model).__getstate__()
         and backend.get_vocab_size(with_added_tokens=True) == len(data.tokens)
         and len(backend.get_added_tokens_decoder()) == data.token_types.count(CONTROL_TOKEN_TYPE)
     )

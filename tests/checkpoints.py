@@ -87,7 +87,7 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
 
 
 def write_gguf(model, path: Path, tensor_type: str = "F32", architecture: str = "llama",
-               raw_type_override: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+               raw_type_override: dict[str, str] | None = None, tokenizer: str = "bytes") -> dict[str, np.ndarray]:
     """The model as llama.cpp's converter writes it; matrices in tensor_type (norms and biases
     stay F32, as llama.cpp keeps them). Returns each HF tensor as the GGUF holds it after
     dequantization, to load into transformers as the oracle of a quantized file."""
@@ -108,17 +108,32 @@ def write_gguf(model, path: Path, tensor_type: str = "F32", architecture: str = 
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    spelling = byte_to_unicode()
-    tokens = [spelling[byte] for byte in range(256)] + [END_OF_TEXT]
-    tokens += [f"[PAD{index}]" for index in range(config.vocab_size - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([])
-    writer.add_token_types([1] * 256 + [3] + [4] * (len(tokens) - 257))
-    writer.add_eos_token_id(256)
-    writer.add_bos_token_id(256)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if tokenizer == "sentencepiece":  # as llama.cpp writes Llama 2's: scores, no merges; model vocab = tokens
+        tokens, _ = sentencepiece_vocabulary()
+        assert config.vocab_size == len(tokens), f"make the model with vocab_size={len(tokens)}"
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * 259 + [-float(index) for index in range(len(tokens) - 259)])
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(True)
+        writer.add_chat_template("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+    else:
+        spelling = byte_to_unicode()
+        tokens = [spelling[byte] for byte in range(256)] + [END_OF_TEXT]
+        tokens += [f"[PAD{index}]" for index in range(config.vocab_size - len(tokens))]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges([])
+        writer.add_token_types([1] * 256 + [3] + [4] * (len(tokens) - 257))
+        writer.add_eos_token_id(256)
+        writer.add_bos_token_id(256)
+        writer.add_chat_template(CHAT_TEMPLATE)
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
@@ -197,6 +212,26 @@ SENTENCEPIECE_TRAINING_TEXT = [
 ] * 20
 
 
+def sentencepiece_vocabulary() -> tuple[list[str], list[tuple[str, str]]]:
+    """A Llama-2-style BPE vocabulary trained here on a few sentences: <unk>, <s>, </s>, the 256
+    <0xNN> byte tokens, then the learned pieces in the order learned; and the learned merges."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    trainer_tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer_tokenizer.train_from_iterator(SENTENCEPIECE_TRAINING_TEXT, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    trained = json.loads(trainer_tokenizer.to_str())["model"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
+    seen = set(tokens)
+    for token in sorted(trained["vocab"], key=trained["vocab"].get):
+        if token not in seen:
+            tokens.append(token)
+            seen.add(token)
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in trained["merges"]]
+    return tokens, merges
+
+
 def write_sentencepiece_tokenizer(directory: Path) -> None:
     """A Llama-2 / Mistral style tokenizer.json: BPE over "▁"-marked text with byte fallback
     (<0xNN> tokens for bytes without a piece), <s> added in front of prompts, a decoder that
@@ -206,18 +241,10 @@ def write_sentencepiece_tokenizer(directory: Path) -> None:
     replaces the file's normalizer with its own Metaspace split (no "▁" added before text that
     starts with a space); shared/tokenizer.py, like transformers for a file without a class,
     runs tokenizer.json as written."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
 
-    trainer_tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer_tokenizer.train_from_iterator(SENTENCEPIECE_TRAINING_TEXT, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
-    trained = json.loads(trainer_tokenizer.to_str())["model"]
-    vocabulary = {token: index for index, token in enumerate(["<unk>", "<s>", "</s>"]
-                                                            + [f"<0x{byte:02X}>" for byte in range(256)])}
-    for token in sorted(trained["vocab"], key=trained["vocab"].get):
-        vocabulary.setdefault(token, len(vocabulary))
-    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in trained["merges"]]
+    tokens, merges = sentencepiece_vocabulary()
+    vocabulary = {token: index for index, token in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocabulary, merges=merges, unk_token="<unk>", byte_fallback=True,
                                    fuse_unk=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])

@@ -18,6 +18,7 @@ from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.checkpoints import (
     VARIANTS,
     save_checkpoint,
+    sentencepiece_vocabulary,
     transformers_model,
     write_gguf,
     write_sentencepiece_tokenizer,
@@ -151,12 +152,19 @@ TOKENIZER_TEXTS = ["Hello world, the quick brown fox.", "Crème brûlée 🙂 an
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est la gare ? 🚆"}]
 
 
-@pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
+@pytest.fixture(scope="module", params=["byte-level", "sentencepiece", "gguf-sentencepiece"])
 def checkpoint_tokenizers(request, tmp_path_factory):
     """Our tokenizer and transformers' AutoTokenizer on the same checkpoint directory: byte-level
-    BPE (Llama 3, Qwen, SmolLM2 style) or SentencePiece-style BPE with byte fallback (Llama 2, Mistral)."""
+    BPE (Llama 3, Qwen, SmolLM2 style) or SentencePiece-style BPE with byte fallback (Llama 2, Mistral);
+    or on the same GGUF with a SentencePiece vocabulary (scores, no merges: llama.cpp's Llama 2 files)."""
     transformers = import_or_skip("transformers")
-    directory = save_checkpoint(transformers_model("llama", vocab_size=512), tmp_path_factory.mktemp(request.param))
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "gguf-sentencepiece":
+        size = len(sentencepiece_vocabulary()[0])
+        write_gguf(transformers_model("llama", vocab_size=size), directory / "spm.gguf", tokenizer="sentencepiece")
+        return (Tokenizer.load(str(directory / "spm.gguf")),
+                transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file="spm.gguf"))
+    save_checkpoint(transformers_model("llama", vocab_size=512), directory)
     if request.param == "sentencepiece":
         write_sentencepiece_tokenizer(directory)
     return Tokenizer.load(str(directory)), transformers.AutoTokenizer.from_pretrained(str(directory))
