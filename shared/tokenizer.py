@@ -4,9 +4,9 @@ A checkpoint directory brings its tokenizer.json, loaded as it is. For a GGUF (w
 no tokenizer.json) the tokenizer is rebuilt from the vocabulary and merges: byte-level BPE,
 control tokens as special tokens, the split before BPE chosen by llama.cpp's pre-tokenizer name
 (PRE_TOKENIZER_REGEXES); or, for a SentencePiece vocabulary (Llama 2, Mistral), BPE with merges
-rebuilt from the tokens' scores and byte fallback, as transformers rebuilds it. The built tokenizer is saved as tokenizer.json in the model's cache
-directory, so later starts load it in milliseconds. No torch here: the gateway and the
-scheduler use this module.
+rebuilt from the tokens' scores and byte fallback, as transformers rebuilds it. The built
+tokenizer is saved as tokenizer.json in the model's cache directory, so later starts load it in
+milliseconds. No torch here: the gateway and the scheduler use this module.
 
 SmolLM2's pre-tokenizer is llama.cpp's "smollm" (and the original SmolLM2 tokenizer.json):
 every digit is split off on its own, then the GPT-2 byte-level regex.
@@ -32,6 +32,7 @@ from shared.model_file import DEFAULT_MODEL, ModelMetadata, TokenizerData, load_
 
 TOKENIZER_FILE = "tokenizer.json"
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token type for control tokens like <|im_end|>
+UNKNOWN_TOKEN_TYPE = 2  # llama.cpp's token type of a SentencePiece vocabulary's <unk>
 # End of an assistant turn; end of a document: SmolLM2's stop tokens, for metadata cached before
 # TokenizerData.stop_token_ids existed.
 DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -132,7 +133,8 @@ def build_backend(data: TokenizerData) -> BackendTokenizer:
 
 
 def _build_sentencepiece(data: TokenizerData) -> BackendTokenizer:
-    unknown = next((token for token, kind in zip(data.tokens, data.token_types, strict=True) if kind == 2), None)
+    unknown = next((token for token, kind in zip(data.tokens, data.token_types, strict=True)
+                    if kind == UNKNOWN_TOKEN_TYPE), None)
     backend = BackendTokenizer(models.BPE(
         vocab={token: index for index, token in enumerate(data.tokens)},
         merges=sentencepiece_merges(data.tokens, data.scores), unk_token=unknown, fuse_unk=True, byte_fallback=True,
@@ -213,7 +215,8 @@ class Tokenizer:
         else:
             stop_ids = [backend.token_to_id(token) for token in DEFAULT_STOP_TOKENS]
             if None in stop_ids:
-                raise ValueError(f"vocabulary lacks a stop token: {dict(zip(DEFAULT_STOP_TOKENS, stop_ids, strict=True))}")
+                found = dict(zip(DEFAULT_STOP_TOKENS, stop_ids, strict=True))
+                raise ValueError(f"vocabulary lacks a stop token: {found}")
             self.stop_token_ids = frozenset(stop_ids)
         self._byte_level = _is_byte_level(backend)
         self._chat_template = compile_chat_template(data.chat_template)

@@ -253,7 +253,8 @@ def write_sentencepiece_tokenizer(directory: Path) -> None:
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     from tokenizers import AddedToken
 
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in ("<unk>", "<s>", "</s>")])
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token in ("<unk>", "<s>", "</s>")])
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,

@@ -64,8 +64,8 @@ async def test_the_dashboard_shows_every_worker_its_iterations_and_a_cancelled_r
                 heading = await browser.evaluate(
                     f"document.querySelector('section.worker[data-worker-id=\"{worker_id}\"] h2').textContent")
                 assert heading == worker_id
-            await browser.wait_for(f"!!document.querySelector('#events li.cancelled[data-request-id=\"{request_id}\"]')",
-                                   what=f"the cancelled request {request_id}")
+            listed = f"#events li.cancelled[data-request-id=\"{request_id}\"]"
+            await browser.wait_for(f"!!document.querySelector('{listed}')", what=f"the cancelled request {request_id}")
             batch = await browser.evaluate("document.querySelector('.iteration.with-cancel') !== null")
             assert batch, "the batch the cancelled request was in is marked"
             await browser.wait_for("document.getElementById('ttft').textContent !== '–'", what="time to first token")

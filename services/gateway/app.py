@@ -33,10 +33,10 @@ log = logging.getLogger("iterserve.gateway")
 
 HEALTH_TIMEOUT_SECONDS = 2.0  # /health answers 503 rather than wait longer on Redis
 METRICS_TIMEOUT_SECONDS = 1.0
-SHUTDOWN_TIMEOUT_SECONDS = 5.0
+SHUTDOWN_TIMEOUT_SECONDS = 5.0  # open streams get this long before their handlers are cancelled
 # DELETE /v1/requests/{id} answers once the request has ended (the scheduler takes a cancel at its
 # next turn, milliseconds), or after this long with the cancel recorded but the request not ended.
-CANCEL_OUTCOME_WAIT_SECONDS, CANCEL_POLL_SECONDS = 5.0, 0.01  # open streams get this long before their handlers are cancelled
+CANCEL_OUTCOME_WAIT_SECONDS, CANCEL_POLL_SECONDS = 5.0, 0.01
 
 
 def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.Application:
@@ -161,7 +161,8 @@ def _model_card(state: GatewayState, model: GatewayModel) -> dict:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [_model_card(state, model) for model in state.models.values()]})
+    cards = [_model_card(state, model) for model in state.models.values()]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:

@@ -80,7 +80,8 @@ class SchedulerService:
             pipeline_depth=settings.pipeline_depth,
             max_batch_tokens=settings.max_batch_tokens,
         )
-        self.link = RedisLink(redis, on_write_failed=self._write_failed, model_keys=keys.ModelKeys(settings.model_group))
+        self.link = RedisLink(redis, on_write_failed=self._write_failed,
+                              model_keys=keys.ModelKeys(settings.model_group))
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
         self.outputs = RequestOutputs(tokenizer, self.policy, self.link, self.holding, settings.request_ttl_seconds)
         self.codecs: dict[str, PlanCodec] = {}  # each worker's request handles and plans in flight
