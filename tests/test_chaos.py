@@ -867,8 +867,13 @@ def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_
         declared_dead = len(cluster.log_events("scheduler", "worker_dead"))
         if down_seconds == 0:  # no heartbeat key expired: nothing moved, nothing computed twice
             assert (declared_dead, recomputed) == (0, 0), (declared_dead, recomputed)
-        else:  # every key expired meanwhile: the workers' requests were rebuilt when they came back
-            assert declared_dead >= 1 and recomputed > 0, (declared_dead, recomputed)
+        else:
+            # Every heartbeat key expired meanwhile. Usually the scheduler looks first after the
+            # restart, declares the workers dead and rebuilds their requests when they come back;
+            # on a loaded machine a worker may beat first, and is then (rightly) still alive with
+            # its KV: nothing moved. Either way the outputs above are exact; never a half of each.
+            assert (declared_dead >= 1 and recomputed > 0) or (declared_dead, recomputed) == (0, 0), \
+                (declared_dead, recomputed)
         report(f"redis_sigkill_restart_{down_seconds:g}s",
                redis_down_seconds=round(times["answering"] - times["stopped"], 2),
                first_token_after_restart_seconds=round(resumed - times["restarted_monotonic"], 2),
