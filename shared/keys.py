@@ -6,6 +6,7 @@ its own group of keys (ModelKeys) when one deployment serves several models.
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 PREFIX = "iterserve"
 # What a request id may look like (the gateway's are cmpl-<32 hex> and chatcmpl-<32 hex>): an id
@@ -26,38 +27,38 @@ class ModelKeys:
     def _key(self, name: str) -> str:
         return f"{PREFIX}:{name}" if not self.group else f"{PREFIX}:model:{self.group}:{name}"
 
-    @property
+    @cached_property  # read on every scheduler turn: formatted once
     def new_requests(self) -> str:
         """Stream of new request ids (gateway -> scheduler). Entries: {"id": request_id}."""
         return self._key("requests:new")
 
-    @property
+    @cached_property
     def cancels(self) -> str:
         """Stream of cancellations (gateway -> scheduler). Entries: {"id": request_id}."""
         return self._key("requests:cancel")
 
-    @property
+    @cached_property
     def active_requests(self) -> str:
         """Set of request ids accepted and not yet finished: the scheduler rebuilds its pool from it."""
         return self._key("requests:active")
 
-    @property
+    @cached_property
     def results(self) -> str:
         """Stream of plan results (workers -> scheduler)."""
         return self._key("results")
 
-    @property
+    @cached_property
     def iterations(self) -> str:
         """Stream of the scheduler's per-iteration records (the last Settings.iteration_records),
         for tests and observability."""
         return self._key("iterations")
 
-    @property
+    @cached_property
     def workers(self) -> str:
         """Set of worker ids that have registered; each one's liveness is its heartbeat key."""
         return self._key("workers")
 
-    @property
+    @cached_property
     def scheduler_heartbeat(self) -> str:
         """Scheduler liveness key (value: msgpack SchedulerInfo, expires unless renewed)."""
         return self._key("scheduler:heartbeat")

@@ -187,7 +187,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
 def _is_byte_level(backend: BackendTokenizer) -> bool:
     """Whether the vocabulary is written in GPT-2's byte alphabet (else SentencePiece style: "▁" for
     a space, "<0x0A>" for a byte without a token of its own)."""
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
     parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     return any(part.get("type") == "ByteLevel" for part in parts)
 

@@ -24,15 +24,29 @@ def decode_item(request_id: str, token_id: int, position: int, output_index: int
 
 
 def generate_alone(engine: Engine, request_id: str, prompt: list[int], count: int,
-                   sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset()) -> list[int]:
-    """The request run with nothing else in its batch."""
+                   sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset(),
+                   logits: list[torch.Tensor] | None = None) -> list[int]:
+    """The request run with nothing else in its batch; each step's logits appended to `logits` if given."""
     engine.add_request(request_id, sampling)
-    output = [engine.step([prefill_item(request_id, prompt)]).tokens[request_id]]
+    want_logits = logits is not None
+
+    def step(item: StepItem) -> int:
+        result = engine.step([item], return_logits=want_logits)
+        if want_logits:
+            logits.append(result.logits[request_id])
+        return result.tokens[request_id]
+
+    output = [step(prefill_item(request_id, prompt))]
     while len(output) < count and output[-1] not in stop_ids:
-        item = decode_item(request_id, output[-1], len(prompt) + len(output) - 1, len(output))
-        output.append(engine.step([item]).tokens[request_id])
+        output.append(step(decode_item(request_id, output[-1], len(prompt) + len(output) - 1, len(output))))
     engine.free(request_id)
     return output
+
+
+def smollm2_engine_alone() -> Engine:
+    """The packaged model in this process, on one thread: the system tests' oracle."""
+    torch.set_num_threads(1)
+    return Engine.from_settings(Settings(kv_blocks=64, device="cpu"))
 
 
 TINY_CONFIG = ModelConfig(

@@ -23,7 +23,7 @@ from tests.checkpoints import (
     write_gguf,
     write_sentencepiece_tokenizer,
 )
-from tests.engine_helpers import GREEDY, decode_item, prefill_item
+from tests.engine_helpers import generate_alone
 from tests.requirements import import_or_skip
 
 STEPS = 32
@@ -52,15 +52,8 @@ def engine_for(model: str) -> Engine:
 
 def engine_greedy(engine: Engine, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens, one decode step at a time as the scheduler drives it, and every step's logits."""
-    engine.add_request("oracle", GREEDY)
-    result = engine.step([prefill_item("oracle", prompt)], return_logits=True)
-    tokens, logits = [result.tokens["oracle"]], [result.logits["oracle"]]
-    while len(tokens) < steps:
-        result = engine.step([decode_item("oracle", tokens[-1], len(prompt) + len(tokens) - 1, len(tokens))],
-                             return_logits=True)
-        tokens.append(result.tokens["oracle"])
-        logits.append(result.logits["oracle"])
-    engine.free("oracle")
+    logits: list[torch.Tensor] = []
+    tokens = generate_alone(engine, "oracle", prompt, steps, logits=logits)
     return tokens, torch.stack(logits)
 
 

@@ -19,7 +19,7 @@ from shared.keys import ModelKeys
 from shared.messages import IterationRecord
 from shared.tokenizer import Tokenizer
 from tests.checkpoints import save_checkpoint, transformers_model
-from tests.engine_helpers import generate_alone
+from tests.engine_helpers import generate_alone, smollm2_engine_alone
 from tests.requirements import import_or_skip
 from tests.system import System
 
@@ -55,11 +55,7 @@ def client(system):
 
 @pytest.fixture(scope="module")
 def smollm2_alone():
-    from services.worker.engine import Engine
-    from shared.config import Settings
-
-    torch.set_num_threads(1)
-    return Engine.from_settings(Settings(kv_blocks=64, device="cpu")), Tokenizer.load()
+    return smollm2_engine_alone(), Tokenizer.load()
 
 
 def qwen_greedy_bytes(qwen, messages, max_tokens: int, stop: bool = True) -> list[bytes]:

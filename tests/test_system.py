@@ -34,13 +34,9 @@ def client(system):
 @pytest.fixture(scope="module")
 def engine_alone():
     """The oracle for the system: the same engine, in this process, one request at a time."""
-    import torch
+    from tests.engine_helpers import smollm2_engine_alone
 
-    from services.worker.engine import Engine
-    from shared.config import Settings
-
-    torch.set_num_threads(1)
-    return Engine.from_settings(Settings(kv_blocks=64, device="cpu"))
+    return smollm2_engine_alone()
 
 
 @pytest.fixture(scope="module")
