@@ -32,6 +32,12 @@ SERVICE_OPTIONS = {
     "--max-batch-size": ("max_batch_size", int, "requests per iteration per worker (default 64)"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget per iteration per worker (default 512)"),
     "--pipeline-depth": ("pipeline_depth", int, "plans in flight per worker (default 2: the next is planned while one runs)"),
+    "--no-prefix-caching": ("prefix_caching", "off", "recompute every prompt (default: finished requests' KV blocks "
+                                                   "stay cached for later requests with the same prefix)"),
+    "--placement": ("placement", str, "cache-aware (default: the worker holding the longest prefix, within "
+                                      "--placement-slack of the least loaded) or least-loaded (the most free KV)"),
+    "--placement-slack": ("placement_slack", int, "cache-aware placement: requests a worker may run beyond the "
+                                                  "least loaded one's and still get a request for its cache (default 8)"),
     "--kv-blocks": ("kv_blocks", int, "KV cache blocks per worker (default 2048)"),
     "--kv-memory-fraction": ("kv_memory_fraction", float, "size the KV pool as this fraction of free device memory"),
     "--kv-block-size": ("kv_block_size", int, "tokens per KV block (default 16)"),
@@ -70,6 +76,8 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     for option, (field, kind, help_text) in SERVICE_OPTIONS.items():
         if kind is bool:
             parser.add_argument(option, dest=field, action="store_true", default=None, help=help_text)
+        elif kind == "off":  # a flag that turns off what is on by default
+            parser.add_argument(option, dest=field, action="store_false", default=None, help=help_text)
         elif field in LIST_OPTIONS:  # given once per model: `--model A --model B`
             parser.add_argument(option, dest=field, type=kind, action="append", default=None, help=help_text)
         else:

@@ -38,6 +38,15 @@ class Settings(BaseModel):
     max_batch_tokens: int = Field(512, ge=1)  # token budget of one iteration (prefill chunks)
     # Plans in flight per worker: 2 plans iteration k+1 while k runs (Orca's pipelining); 1 waits.
     pipeline_depth: int = Field(2, ge=1, le=4)
+    # Prefix caching (services/scheduler/prefix_cache.py): finished requests' full KV blocks stay on
+    # their worker for later requests with the same prefix (a conversation's next turn, a shared
+    # system prompt) until the room is needed.
+    prefix_caching: bool = True
+    # Where a waiting request goes: "cache-aware", the worker holding the longest prefix of it
+    # unless that worker runs more than placement_slack requests more than the least loaded one;
+    # "least-loaded", the worker with the most free KV (services/scheduler/policy.py).
+    placement: Literal["cache-aware", "least-loaded"] = "cache-aware"
+    placement_slack: int = Field(8, ge=0)
     # Workers
     workers: int = Field(1, ge=0)  # `iterserve up` only
     kv_blocks: int = Field(2048, ge=1)  # KV blocks per worker

@@ -64,6 +64,7 @@ class TokenEvent(Frozen):
     finish_reason: FinishReason | None = None  # set on the request's last entry
     prompt_tokens: int = 0  # on the last entry, for usage
     completion_tokens: int = 0  # on the last entry, for usage
+    cached_tokens: int = 0  # on the last entry: prompt tokens found in the prefix cache at its admission
     logprob: float | None = None  # the token's log-probability, when the request asked for logprobs
     top_logprobs: tuple[Logprob, ...] = ()  # the most likely tokens at this position, most likely first
 
@@ -80,6 +81,9 @@ class NewRequest:
 
     request_id: str
     sampling: SamplingParams
+    # Prefix caching: hashes of cached blocks the worker holds that are this request's first blocks
+    # (its first step starts after them).
+    cached_blocks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +118,11 @@ class BatchPlan:
     # The worker's first plan since it (re)joined: drop every request's KV first. A worker that was
     # given up on (heartbeats lost in a Redis outage) and comes back may still hold some.
     free_all: bool = False
+    # Prefix caching (services/scheduler/prefix_cache.py), carried out in this order: register
+    # (request, block index, hash), then free_request_ids, then evict (hashes of idle cached
+    # blocks), then new_requests' cached_blocks, then the step.
+    register_blocks: tuple[tuple[str, int, bytes], ...] = ()
+    evict_blocks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,14 +134,15 @@ class SampledToken:
     top_logprobs: tuple[Logprob, ...] = ()
 
 
-ItemErrorCode = Literal["kv_cache_full", "out_of_memory", "unknown_request", "bad_item"]
+ItemErrorCode = Literal["kv_cache_full", "out_of_memory", "unknown_request", "bad_item", "cache_mismatch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ItemError:
     request_id: str
     # kv_cache_full and out_of_memory are no fault of the request: it waits and is rebuilt. The
-    # others count towards failing it (a rebuild fixes most).
+    # others count towards failing it (a rebuild fixes most). cache_mismatch: the plan's prefix-cache
+    # commands did not fit what the worker held; it dropped everything (the scheduler starts it over).
     code: ItemErrorCode
     message: str
 
@@ -149,6 +159,7 @@ class PlanResult:
     kv_blocks_total: int
     kv_blocks_free: int
     step_seconds: float  # time spent in the engine for this plan
+    kv_blocks_cached: int = 0  # idle cached blocks (prefix caching), after the step
 
 
 class WorkerInfo(Frozen):
@@ -161,7 +172,8 @@ class WorkerInfo(Frozen):
     device: str
     kv_block_size: int = Field(ge=1)  # the scheduler divides by it
     kv_blocks_total: int = Field(ge=0)
-    kv_blocks_free: int = Field(ge=0)
+    kv_blocks_free: int = Field(ge=0)  # neither held by a request nor cached
+    kv_blocks_cached: int = Field(0, ge=0)  # prefix cache: held by no request, kept until evicted
     running: int = Field(ge=0)  # requests holding KV on this worker
     draining: bool = False  # stopping: takes no new requests
     started_at: float
@@ -189,6 +201,11 @@ class SchedulerInfo(Frozen):
     waiting_tokens: int = 0  # prompt (and rebuilt output) tokens of the waiting requests: gateway admission
     cpu_seconds: float = 0.0  # the scheduler process's CPU time since it started
     phase_cpu_seconds: dict[str, float] = {}  # of it, by phase (services/scheduler/service.py PHASES)
+    # Prefix caching: prompt (and rebuilt output) tokens looked up at admissions, and found cached.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    # Its exact copy of each worker's KV blocks: {worker id: {"in_use", "cached", "free"}}.
+    kv_blocks: dict[str, dict[str, int]] = {}
 
 
 class IterationRecord(Frozen):

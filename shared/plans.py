@@ -15,6 +15,10 @@ name their tokens by handle too, and repeat the output index they sampled (the s
 it). `PlanCodec` (the scheduler's, one per worker) hands out the handles; `PlanReader` (the
 worker's) keeps them; both start over with a new scheduler epoch or a plan that says free_all.
 A plan naming a handle the worker does not hold gets an `unknown_request` error for that item.
+
+Prefix caching adds three fields, all empty when it is off: blocks to register (handles, block
+indexes, hashes), hashes of blocks to evict, and on a new request the hashes of the cached blocks
+it starts with (hashes are 16 bytes each, concatenated).
 """
 
 from dataclasses import dataclass
@@ -30,8 +34,15 @@ from shared.wire import WireError
 PLAN_FORMAT = 2
 MAX_HANDLE = 65535  # handles are uint16 on the wire
 MAX_INDEX = 2**31
-ERROR_CODES = ("kv_cache_full", "out_of_memory", "unknown_request", "bad_item")
+ERROR_CODES = ("kv_cache_full", "out_of_memory", "unknown_request", "bad_item", "cache_mismatch")
+HASH_BYTES = 16  # a prefix-cache block hash (services/scheduler/prefix_cache.py)
 _I32, _U16 = np.dtype("<i4"), np.dtype("<u2")
+
+
+def _hashes(data: Any, kind: str, name: str) -> tuple[bytes, ...]:
+    if not isinstance(data, bytes) or len(data) % HASH_BYTES:
+        raise WireError(f"{kind}: field {name!r} is not a whole number of {HASH_BYTES}-byte hashes")
+    return tuple(data[start : start + HASH_BYTES] for start in range(0, len(data), HASH_BYTES))
 
 
 def _array(values, dtype: np.dtype) -> bytes:
@@ -94,6 +105,8 @@ class PlanCodec:
     def encode(self, plan: BatchPlan) -> bytes:
         if plan.scheduler_epoch != self.epoch or plan.free_all:
             self._reset(plan.scheduler_epoch)
+        # Registrations name requests this plan may free: their handles are read before the frees.
+        registered = [self._handle_of[request_id] for request_id, _, _ in plan.register_blocks]
         freed = []
         for request_id in plan.free_request_ids:
             handle = self._handle_of.pop(request_id, None)
@@ -113,7 +126,8 @@ class PlanCodec:
                     handle, self._next_handle = self._next_handle, self._next_handle + 1
                 self._handle_of[request.request_id] = handle
                 self._request_of[handle] = request.request_id
-            new.append([handle, request.request_id, request.sampling.model_dump(mode="python")])
+            new.append([handle, request.request_id, request.sampling.model_dump(mode="python"),
+                        b"".join(request.cached_blocks)])
         decode_handles, decode_outputs = [], []
         handles, starts, counts, samples, outputs, tokens = [], [], [], [], [], []
         sent = self._sent[plan.plan_id] = {}
@@ -133,6 +147,11 @@ class PlanCodec:
         message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
                    "a": plan.free_all, "n": new, "x": _array(freed, _U16),
                    "dh": _array(decode_handles, _U16), "do": _array(decode_outputs, _I32)}
+        if registered:
+            message |= {"rh": _array(registered, _U16), "ri": _array([index for _, index, _ in plan.register_blocks], _I32),
+                        "rk": b"".join(block_hash for _, _, block_hash in plan.register_blocks)}
+        if plan.evict_blocks:
+            message["ev"] = b"".join(plan.evict_blocks)
         if handles:
             message |= {"h": _array(handles, _U16), "s": _array(starts, _I32), "c": _array(counts, _I32),
                         "m": _array(samples, np.uint8), "o": _array(outputs, _I32), "t": _array(tokens, _I32)}
@@ -173,7 +192,7 @@ class PlanCodec:
             scheduler_epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int),
             worker_id=_field(raw, kind, "w", str), tokens=tuple(tokens), errors=tuple(errors),
             kv_blocks_total=_field(raw, kind, "kt", int), kv_blocks_free=_field(raw, kind, "kf", int),
-            step_seconds=float(step_seconds))
+            kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds))
 
 
 def read_result(data: bytes) -> tuple[str, dict]:
@@ -228,6 +247,15 @@ class PlanReader:
             self.epoch = epoch
             self._request_of.clear()
             self._handle_of.clear()
+        register_handles = _ints(raw, kind, "rh", _U16, 0, MAX_HANDLE + 1)
+        register_indexes = _ints(raw, kind, "ri", _I32)
+        register_hashes = _hashes(raw.get("rk", b""), kind, "rk")
+        if not register_handles.size == register_indexes.size == len(register_hashes):
+            raise WireError(f"{kind}: registration fields of different lengths")
+        # Read before the frees: a request may be registered and freed by one plan. A handle this
+        # worker does not hold reads as "" (the worker finds its cache and the scheduler's differ).
+        registered = [(self._request_of.get(handle, ""), index, block_hash) for handle, index, block_hash
+                      in zip(register_handles.tolist(), register_indexes.tolist(), register_hashes)]
         freed = []
         for handle in _ints(raw, kind, "x", _U16, 0, MAX_HANDLE + 1).tolist():
             request_id = self._request_of.pop(handle, None)
@@ -236,9 +264,10 @@ class PlanReader:
                 freed.append(request_id)
         new = []
         for entry in _field(raw, kind, "n", list, []):
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+            if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int)
                     and 0 <= entry[0] <= MAX_HANDLE and valid_request_id(entry[1]) and isinstance(entry[2], dict)):
                 raise WireError(f"{kind}: malformed new request")
+            cached_blocks = _hashes(entry[3], kind, "n")
             try:
                 sampling = SamplingParams.model_validate(entry[2])
             except Exception as error:  # pydantic's ValidationError: a request's data, once per request
@@ -249,7 +278,7 @@ class PlanReader:
                 self._handle_of.pop(stale, None)
             self._request_of[handle] = request_id
             self._handle_of[request_id] = handle
-            new.append(NewRequest(request_id=request_id, sampling=sampling))
+            new.append(NewRequest(request_id=request_id, sampling=sampling, cached_blocks=cached_blocks))
         items, item_handles, unknown = [], [], []
         decode_handles = _ints(raw, kind, "dh", _U16, 0, MAX_HANDLE + 1)
         decode_outputs = _ints(raw, kind, "do", _I32, 1)
@@ -283,12 +312,13 @@ class PlanReader:
                                   start_position=start, sample=bool(sample), output_index=output_index))
             item_handles.append(handle)
         plan = BatchPlan(scheduler_epoch=epoch, plan_id=_field(raw, kind, "p", int), worker_id=_field(raw, kind, "w", str),
-                         new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all)
+                         new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all,
+                         register_blocks=tuple(registered), evict_blocks=_hashes(raw.get("ev", b""), kind, "ev"))
         return DecodedPlan(plan, item_handles, unknown)
 
     def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
                       errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,
-                      step_seconds: float) -> bytes:
+                      step_seconds: float, kv_blocks_cached: int = 0) -> bytes:
         """tokens: request id -> token sampled; logprobs: request id -> (logprob, top); errors:
         (request id, code, message) of the items that did not run."""
         handles, token_ids, output_indices, logprob_entries = [], [], [], []
@@ -308,7 +338,7 @@ class PlanReader:
         message = {"f": PLAN_FORMAT, "e": decoded.plan.scheduler_epoch, "p": decoded.plan.plan_id,
                    "w": decoded.plan.worker_id, "h": _array(handles, _U16), "t": _array(token_ids, _I32),
                    "o": _array(output_indices, _I32), "x": error_entries, "kt": kv_blocks_total, "kf": kv_blocks_free,
-                   "s": step_seconds}
+                   "kc": kv_blocks_cached, "s": step_seconds}
         if logprob_entries:
             message["l"] = logprob_entries
         return msgpack.packb(message, use_bin_type=True)

@@ -41,15 +41,16 @@ def _unpack(name: str, data: bytes) -> Any:
 
 # A token event's fields, in wire order; trailing defaults are left off.
 TOKEN_EVENT_FIELDS = ("index", "token_id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "logprob",
-                      "top_logprobs")
-_TOKEN_EVENT_DEFAULTS = (None, 0, 0, None, None)  # of the fields after text
+                      "top_logprobs", "cached_tokens")
+_TOKEN_EVENT_DEFAULTS = (None, 0, 0, None, None, 0)  # of the fields after text
 
 
 def encode_token_event(index: int, token_id: int, text: str, finish_reason: str | None = None,
                        prompt_tokens: int = 0, completion_tokens: int = 0, logprob: float | None = None,
-                       top_logprobs: tuple = ()) -> bytes:
+                       top_logprobs: tuple = (), cached_tokens: int = 0) -> bytes:
     """A TokenEvent as the scheduler writes it: no model object built, no validation (the reader's)."""
-    fields = [index, token_id, text, finish_reason, prompt_tokens, completion_tokens, logprob, top_logprobs or None]
+    fields = [index, token_id, text, finish_reason, prompt_tokens, completion_tokens, logprob, top_logprobs or None,
+              cached_tokens]
     while len(fields) > 3 and fields[-1] == _TOKEN_EVENT_DEFAULTS[len(fields) - 4]:
         fields.pop()
     return msgpack.packb(fields, use_bin_type=True)
@@ -75,4 +76,5 @@ def decode_token_event(data: bytes):
 def encode_event(event) -> bytes:
     """A TokenEvent object in the positional form (tests and the odd writer that has one)."""
     return encode_token_event(event.index, event.token_id, event.text, event.finish_reason, event.prompt_tokens,
-                              event.completion_tokens, event.logprob, tuple(event.top_logprobs))
+                              event.completion_tokens, event.logprob, tuple(event.top_logprobs),
+                              event.cached_tokens)

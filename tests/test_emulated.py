@@ -130,10 +130,7 @@ def test_kv_accounting_matches_the_real_engine_replaying_the_same_plans():
         plans += 1
         outcomes = []
         for engine in (real, fake):
-            for request_id in plan.free_request_ids:
-                engine.free(request_id)
-            for new in plan.new_requests:
-                engine.add_request(new.request_id, new.sampling)
+            engine.take_plan(plan)
             outcomes.append(engine.step(plan.items))
         got, emulated_outcome = outcomes
         assert [(e.request_id, e.code) for e in got.errors] == [(e.request_id, e.code) for e in emulated_outcome.errors]

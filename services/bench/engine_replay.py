@@ -51,10 +51,7 @@ def replay(engine, requests: list[BenchRequest], tokenizer: Tokenizer, *, policy
         scheduling_seconds += time.perf_counter() - planning
         if plan is None:
             break
-        for request_id in plan.free_request_ids:
-            engine.free(request_id)
-        for new in plan.new_requests:
-            engine.add_request(new.request_id, new.sampling)
+        engine.take_plan(plan)
         outcome = engine.step(plan.items)
         step_seconds += outcome.seconds
         applying = time.perf_counter()

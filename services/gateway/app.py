@@ -300,6 +300,8 @@ def _worker_status(model: GatewayModel, worker: WorkerInfo) -> dict:
         "busy_seconds": round(worker.busy_seconds, 6),
         "kv_blocks_total": worker.kv_blocks_total,
         "kv_blocks_free": worker.kv_blocks_free,
+        "kv_blocks_cached": worker.kv_blocks_cached,
+        "kv_blocks_in_use": worker.kv_blocks_total - worker.kv_blocks_free - worker.kv_blocks_cached,
         "running": worker.running,
         "draining": worker.draining,
         "heartbeat_at": worker.heartbeat_at,

@@ -252,7 +252,7 @@ class Answer:
             self.request_id, event.finish_reason, prompt_tokens, completion_tokens,
             time.monotonic() - self.started if self.started is not None else -1.0,
         )  # fmt: skip
-        return usage(prompt_tokens, completion_tokens)
+        return usage(prompt_tokens, completion_tokens, event.cached_tokens)
 
     def client_gone(self, cancel: bool) -> None:
         """The client left before the final token: cancel the request unless it already finished."""

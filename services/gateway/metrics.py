@@ -86,6 +86,17 @@ class GatewayMetrics:
         self.kv_blocks_free = Gauge(
             "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=registry
         )
+        self.kv_blocks_cached = Gauge(
+            "iterserve_worker_kv_blocks_cached", "KV blocks per worker held by no request, kept in the prefix "
+            "cache until evicted", ["worker_id"], registry=registry
+        )
+        # The scheduler's counters (read from its heartbeat), as vLLM's prefix_cache_queries/hits.
+        self.prefix_cache_queries = Gauge(
+            "iterserve_prefix_cache_queries_tokens", "Tokens looked up in the prefix cache at admissions, since the "
+            "scheduler started", ["model"], registry=registry)
+        self.prefix_cache_hits = Gauge(
+            "iterserve_prefix_cache_hits_tokens", "Of them, tokens found cached, since the scheduler started",
+            ["model"], registry=registry)
         self.busy_seconds = Gauge(
             "iterserve_worker_busy_seconds", "Seconds each worker spent inside steps since it started (emulated "
             "workers: the profile's step times)", ["worker_id", "executor"], registry=registry
@@ -97,14 +108,19 @@ class GatewayMetrics:
         self.redis_up.set(0 if views is None else 1)
         if views is None:
             return
-        for gauge in (self.waiting, self.running, self.live_workers, self.kv_blocks_free, self.busy_seconds):
+        for gauge in (self.waiting, self.running, self.live_workers, self.kv_blocks_free, self.kv_blocks_cached,
+                      self.busy_seconds, self.prefix_cache_queries, self.prefix_cache_hits):
             gauge.clear()
         for model, view in views:
             self.waiting.labels(model).set(view.scheduler.waiting if view.scheduler else 0)
             self.running.labels(model).set(view.scheduler.running if view.scheduler else 0)
             self.live_workers.labels(model).set(len(view.live_worker_ids))
+            if view.scheduler:
+                self.prefix_cache_queries.labels(model).set(view.scheduler.prefix_cache_queried_tokens)
+                self.prefix_cache_hits.labels(model).set(view.scheduler.prefix_cache_hit_tokens)
             for worker in view.workers:
                 self.kv_blocks_free.labels(worker.worker_id).set(worker.kv_blocks_free)
+                self.kv_blocks_cached.labels(worker.worker_id).set(worker.kv_blocks_cached)
                 self.busy_seconds.labels(worker.worker_id, worker.executor).set(worker.busy_seconds)
 
     def render(self) -> bytes:

@@ -89,8 +89,10 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
     usage = {
         "type": "object",
         "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-        "properties": {name: {"type": "integer", "minimum": 0}
-                       for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "properties": {**{name: {"type": "integer", "minimum": 0}
+                          for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                       "prompt_tokens_details": {"type": "object", "properties": {
+                           "cached_tokens": {"type": "integer", "minimum": 0}}}},
     }  # fmt: skip
     finish_reason = {"type": "string", "enum": ["stop", "length", "cancelled"]}
     model = {"type": "string", "enum": [model_name]}

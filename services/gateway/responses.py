@@ -36,11 +36,13 @@ def endpoint_of(request_id: str) -> Endpoint:
     return CHAT if request_id.startswith(CHAT.id_prefix) else COMPLETIONS
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage block; cached_tokens: prompt tokens whose KV was found in the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -113,6 +113,7 @@ class RequestOutputs:
         self.token_event(request_id, outcome.output_index, outcome.token_id, piece, finish_reason=finish,
                          prompt_tokens=len(state.prompt_token_ids) if finish else 0,
                          completion_tokens=completion_tokens if finish else 0,
+                         cached_tokens=state.cached_tokens or 0 if finish else 0,
                          logprob=outcome.logprob, top_logprobs=outcome.top_logprobs)
         if finish is not None:
             self.write_end(request_id, finish, completion_tokens)
@@ -136,13 +137,15 @@ class RequestOutputs:
             piece = text[output.emitted : end] if end > output.emitted else ""
         completion_tokens = len(state.output_token_ids)
         self.token_event(request_id, completion_tokens, -1, piece, finish_reason=reason,
-                         prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens)
+                         prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens,
+                         cached_tokens=state.cached_tokens or 0)
         self.write_end(request_id, reason, completion_tokens)
 
     def cancelled(self, state: RequestState) -> None:
         completion_tokens = len(state.output_token_ids)
         self.token_event(state.request_id, completion_tokens, -1, "", finish_reason="cancelled",
-                         prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens)
+                         prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens,
+                         cached_tokens=state.cached_tokens or 0)
         self.write_end(state.request_id, "cancelled", completion_tokens)
 
     # Writes

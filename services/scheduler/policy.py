@@ -17,6 +17,16 @@ plan in flight steps again in the next plan with `feeds_sampled`: the worker fee
 sampled itself. Requests that will have reached max_tokens or the context are not planned
 again; one that ends on a stop token (or a cancel) costs at most that one speculative step.
 
+Prefix caching (services/scheduler/prefix_cache.py): this policy keeps an exact copy of each
+worker's cache of full KV blocks, named by hashes of their contents. A request admitted to a worker
+starts after the longest prefix of it that worker holds; blocks a result confirms written are
+registered; idle cached blocks count as free room and are evicted, least recently used first,
+when a step needs them. Placement (`placement`): "least-loaded" sends a waiting request to the
+worker with the most free KV (an idle worker with room takes it rather than let it wait);
+"cache-aware" sends it to the worker holding the longest prefix of it, unless that worker runs
+more than `placement_slack` requests more than the least loaded one (SGLang's router balances
+the same way), and falls back to least-loaded when no worker holds any of it.
+
 No Redis, no asyncio, no tensors here: services/scheduler/service.py moves the messages.
 """
 
@@ -27,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.scheduler.prefix_cache import extend_chain, root_hash
 from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
 from shared.messages import (
     BatchPlan,
@@ -41,6 +52,7 @@ from shared.messages import (
 log = logging.getLogger("iterserve.scheduler")
 
 Policy = Literal["iteration", "request"]
+Placement = Literal["cache-aware", "least-loaded"]
 MAX_ITEM_ERRORS = 3  # worker errors on one request's items before it fails (a rebuild fixes most)
 # Workers lost while a request ran on them before it fails: a request that makes every engine
 # break (a bug it triggers) must not take the fleet down one worker after another, forever.
@@ -100,10 +112,22 @@ class SchedulerPolicy:
         max_batch_size: int = 64,
         max_batch_tokens: int = 512,
         pipeline_depth: int = 1,
+        prefix_caching: bool = False,
+        placement: Placement = "least-loaded",
+        placement_slack: int = 8,
+        cache_salt: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """cache_salt: what else makes a block's KV (the model's name): part of every block hash."""
         if policy not in ("iteration", "request"):
             raise ValueError(f"unknown policy {policy!r}")
+        if placement not in ("cache-aware", "least-loaded"):
+            raise ValueError(f"unknown placement {placement!r}")
+        self.prefix_caching, self.placement, self.placement_slack = prefix_caching, placement, placement_slack
+        self._root_hash = root_hash(cache_salt)
+        # Prefix-cache queries and hits, in prompt (and rebuilt output) tokens, at every admission.
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
         self.epoch = epoch
         self.policy: Policy = policy
         self.max_batch_size = max_batch_size
@@ -273,6 +297,9 @@ class SchedulerPolicy:
             for request_id in flight.plan.free_request_ids:
                 worker.to_free.setdefault(request_id)
         worker.in_flight = []
+        if self.prefix_caching:  # what the lost plans did to its cache is unknown: it starts over empty
+            worker.clear_cache()
+            worker.free_all = True
         log.warning("worker_reset worker_id=%s requeued=%d", worker_id, len(moved))
         return moved
 
@@ -294,6 +321,12 @@ class SchedulerPolicy:
         log.info("handed_over worker_id=%s requeued=%d", worker_id, len(moved))
         return moved
 
+    def kv_blocks_by_worker(self) -> dict[str, dict[str, int]]:
+        """Each worker's KV blocks as this policy knows them: held by requests, cached idle, free."""
+        return {worker_id: {"in_use": worker.kv_blocks_total - worker.kv_blocks_available,
+                            "cached": worker.cache.blocks_idle, "free": worker.kv_blocks_free}
+                for worker_id, worker in self._workers.items()}
+
     def worker(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
 
@@ -306,7 +339,7 @@ class SchedulerPolicy:
         flight first, then the most free KV (it gets the oldest waiting request when several plan
         at once)."""
         idle = [worker for worker in self._workers.values() if len(worker.in_flight) < self.pipeline_depth]
-        idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_free, worker.worker_id))
+        idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_available, worker.worker_id))
         return [worker.worker_id for worker in idle]
 
     # Iterations
@@ -351,6 +384,13 @@ class SchedulerPolicy:
         self._drafts.append(draft)
         self._latest_draft[worker.worker_id] = draft
         errors = {error.request_id: error for error in result.errors}
+        if self.prefix_caching and any(error.code in ("cache_mismatch", "out_of_memory") for error in result.errors):
+            # The worker dropped its cache (a mismatch) or requests it had blocks registered for (out
+            # of memory): its cache and this copy may differ. It starts over, empty; its requests are
+            # rebuilt, as they would be anyway (every item of such a plan is in error).
+            log.warning("worker_cache_reset worker_id=%s plan_id=%d", worker.worker_id, flight.plan.plan_id)
+            self.reset_worker(worker.worker_id)
+            return []
         sampled = {token.request_id: token for token in result.tokens}
         outcomes: list[TokenOutcome] = []
         for item in flight.plan.items:
@@ -363,6 +403,8 @@ class SchedulerPolicy:
             if error is not None:
                 self._on_item_error(worker, state, error.code, error.message)
                 continue
+            if self.prefix_caching:
+                self._register_blocks(worker, state, item)
             if not item.sample:
                 continue
             token = sampled.get(item.request_id)
@@ -399,11 +441,12 @@ class SchedulerPolicy:
                 batch.budget -= chunk
 
     def _make_room(self, batch: _Batch, state: RequestState, tokens_after_step: int) -> bool:
-        """Reserve KV blocks for a step, preempting the youngest running requests while they do not
-        fit; False when the request itself was the youngest and was preempted (or can never fit)."""
+        """Reserve KV blocks for a step (evicting idle cached ones if need be), preempting the
+        youngest running requests while they do not fit; False when the request itself was the
+        youngest and was preempted (or can never fit)."""
         worker = batch.worker
         needed = worker.blocks_for(tokens_after_step) - state.kv_blocks
-        while needed > worker.kv_blocks_free:
+        while needed > worker.kv_blocks_available:
             victim = max(worker.running.values(), key=lambda running: running.fcfs_key)
             if victim is state and len(worker.running) == 1:
                 # Alone on the worker and still too big: no amount of waiting helps.
@@ -418,7 +461,7 @@ class SchedulerPolicy:
                 return False
         if needed > 0:
             state.kv_blocks += needed
-            worker.kv_blocks_reserved += needed
+            worker.take_blocks(needed)
         return True
 
     def _ends_in_flight(self, state: RequestState) -> bool:
@@ -458,7 +501,7 @@ class SchedulerPolicy:
                 continue  # leaving this worker in this very plan: it may come back in a later one
             state = self._requests[request_id]
             blocks = worker.blocks_for(state.total_tokens)
-            target = self._admission_target(state, worker, claimed)
+            target, pinned = self._admission_target(state, worker, claimed)
             if target is None:
                 if not any(other.blocks_for(state.total_tokens + 1) <= other.kv_blocks_total
                            for other in self._workers.values()):
@@ -466,21 +509,37 @@ class SchedulerPolicy:
                     self._finished_without_token.append(state)
                     log.warning("request_id=%s needs more KV than any worker has", request_id)
                 continue
-            if target is not worker and not (target.in_flight and blocks <= worker.kv_blocks_free):
-                # Meant for a worker with more free KV that plans soon; an idle worker with room
-                # takes it rather than let it wait for a busy one.
+            if target is not worker and (pinned or not (target.in_flight and blocks <= worker.kv_blocks_available)):
+                # Meant for a worker that holds its prefix, or has more free KV, and plans soon; an
+                # idle worker with room takes it rather than let it wait for a busy one (unless the
+                # other holds its prefix).
                 target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
                 claimed[target.worker_id] = (target_blocks + target.blocks_for(state.total_tokens), target_count + 1)
                 continue
-            if blocks > worker.kv_blocks_free:
+            cached = self._cached_prefix(worker, state)
+            idle_cached = worker.cache.idle_among(state.block_chain[:cached]) if cached else 0
+            if blocks - cached > worker.kv_blocks_available - idle_cached:
                 break  # the next waiting request waits for room; the ones after it do not overtake it
-            self._admit(batch, state, blocks)
+            self._admit(batch, state, blocks, cached)
+
+    def _cached_prefix(self, worker: WorkerState, state: RequestState) -> int:
+        """How many of the request's first blocks the worker holds (all but its last token at most:
+        that one is fed to sample from)."""
+        if not self.prefix_caching or not worker.cache:
+            return 0
+        limit = (state.total_tokens - 1) // worker.kv_block_size
+        extend_chain(state.block_chain, self._root_hash, state.tokens, worker.kv_block_size, limit)
+        return worker.cache.match(state.block_chain, limit)
 
     def _admission_target(self, state: RequestState, planning: WorkerState,
-                          claimed: dict[str, tuple[int, int]]) -> WorkerState | None:
-        """The live worker with the most free KV blocks that takes new requests (ties: the planning
-        worker, then the smaller id)."""
+                          claimed: dict[str, tuple[int, int]]) -> tuple[WorkerState | None, bool]:
+        """Where a waiting request should go, and whether it should wait for that worker rather than
+        start on another: under cache-aware placement the worker holding the longest prefix of it
+        (ties: the least loaded) if its load (requests running and meant for it) is within
+        placement_slack of the least loaded worker's; otherwise the live worker with the most free
+        KV blocks that takes new requests (ties: the planning worker, then the smaller id)."""
         best: tuple[tuple, WorkerState] | None = None
+        loads: dict[str, int] = {}
         for worker in self._workers.values():
             if worker.draining or worker.blocks_for(state.total_tokens + 1) > worker.kv_blocks_total:
                 continue
@@ -490,27 +549,45 @@ class SchedulerPolicy:
                     continue
                 if len(worker.running) + claimed_count >= self.max_batch_size:
                     continue
-            key = (-(worker.kv_blocks_free - claimed_blocks), worker is not planning, worker.worker_id)
+            loads[worker.worker_id] = len(worker.running) + claimed_count
+            key = (-(worker.kv_blocks_available - claimed_blocks), worker is not planning, worker.worker_id)
             if best is None or key < best[0]:
                 best = (key, worker)
-        return best[1] if best else None
+        if best is None:
+            return None, False
+        if self.placement == "cache-aware" and self.prefix_caching:
+            least = min(loads.values())
+            cached = max(((self._cached_prefix(self._workers[worker_id], state), -load, worker_id)
+                          for worker_id, load in loads.items() if load <= least + self.placement_slack))
+            if cached[0] > 0:
+                return self._workers[cached[2]], True
+        return best[1], False
 
-    def _admit(self, batch: _Batch, state: RequestState, blocks: int) -> None:
+    def _admit(self, batch: _Batch, state: RequestState, blocks: int, cached: int = 0) -> None:
+        """Start a request on the batch's worker, after the `cached` first blocks it finds there."""
         worker = batch.worker
         self._dequeue(state)
-        state.status, state.worker_id, state.computed = "running", worker.worker_id, 0
+        hashes = state.block_chain[:cached]
+        worker.cache.acquire(hashes)
+        state.held_hashes, state.shared_blocks, state.adopted_blocks = list(hashes), cached, cached
+        cached_tokens = cached * worker.kv_block_size
+        self.prefix_cache_queried_tokens += state.total_tokens
+        self.prefix_cache_hit_tokens += cached_tokens
+        if state.cached_tokens is None:
+            state.cached_tokens = min(cached_tokens, len(state.prompt_token_ids))
+        state.status, state.worker_id, state.computed = "running", worker.worker_id, cached_tokens
         state.kv_blocks, state.stepped_on_worker = blocks, False
-        worker.kv_blocks_reserved += blocks
+        worker.take_blocks(blocks - cached)
         worker.running[state.request_id] = state
         batch.admitted.append(state.request_id)
         self._admissions += 1
         self._key_served_at[state.record.client_key] = self._admissions
-        chunk = min(state.total_tokens, batch.budget)
+        chunk = min(state.total_tokens - state.computed, batch.budget)
         if chunk > 0:  # the request policy admits its whole batch even past the token budget
             batch.chunks[state.request_id] = chunk
             batch.budget -= chunk
-        log.info("admitted request_id=%s worker_id=%s tokens=%d output_tokens=%d",
-                 state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids))
+        log.info("admitted request_id=%s worker_id=%s tokens=%d output_tokens=%d cached_tokens=%d",
+                 state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids), cached_tokens)
 
     def _emit_plan(self, batch: _Batch) -> BatchPlan:
         worker = batch.worker
@@ -540,8 +617,9 @@ class SchedulerPolicy:
             state.in_flight_samples += item.sample
             placements[request_id] = state.placement
         new_requests = [
-            NewRequest(request_id=request_id, sampling=worker.running[request_id].sampling)
-            for request_id in worker.running
+            NewRequest(request_id=request_id, sampling=state.sampling,
+                       cached_blocks=tuple(state.held_hashes[: state.adopted_blocks]))
+            for request_id, state in worker.running.items()
             if request_id not in worker.known
         ]
         worker.known.update(new.request_id for new in new_requests)
@@ -553,9 +631,13 @@ class SchedulerPolicy:
             items=tuple(items),
             free_request_ids=tuple(worker.to_free),
             free_all=worker.free_all,
+            register_blocks=tuple(worker.to_register),
+            evict_blocks=tuple(worker.to_evict),
         )
         self._next_plan_id += 1
         worker.to_free.clear()
+        worker.to_register.clear()
+        worker.to_evict.clear()
         worker.free_all = False
         worker.in_flight.append(PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens,
                                              placements))
@@ -594,11 +676,37 @@ class SchedulerPolicy:
         """Take a request off its worker: the worker frees its KV with its next plan."""
         worker = self._workers.get(state.worker_id) if state.worker_id else None
         if worker is not None and worker.running.pop(state.request_id, None) is not None:
-            worker.kv_blocks_reserved -= state.kv_blocks
+            worker.kv_blocks_reserved -= state.kv_blocks - state.shared_blocks
+            # Its registered blocks stay cached (one registered and freed before its next plan: that
+            # plan registers, then frees, in this order), the last first: of an idle prefix the tail
+            # goes before the head, which more requests share (vLLM frees in the same order).
+            for block_hash in reversed(state.held_hashes):
+                if block_hash is not None:
+                    worker.cache.release(block_hash)
             worker.known.discard(state.request_id)
             worker.to_free.setdefault(state.request_id)
         state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples = None, 0, 0, 0
+        state.held_hashes, state.shared_blocks, state.adopted_blocks = [], 0, 0
         state.placement += 1
+
+    def _register_blocks(self, worker: WorkerState, state: RequestState, item: StepItem) -> None:
+        """A result confirmed the item's KV written: the request's blocks it filled enter the
+        worker's cache (a block whose contents another block holds already stays the request's)."""
+        block_size = worker.kv_block_size
+        end = item.start_position + (1 if item.feeds_sampled else len(item.token_ids))
+        full = min(end, state.total_tokens) // block_size
+        if full <= len(state.held_hashes):
+            return
+        extend_chain(state.block_chain, self._root_hash, state.tokens, block_size, full)
+        for index in range(len(state.held_hashes), full):
+            block_hash = state.block_chain[index]
+            if worker.cache.add(block_hash):
+                state.held_hashes.append(block_hash)
+                state.shared_blocks += 1
+                worker.kv_blocks_reserved -= 1  # its own block is now the cache's, held by it
+                worker.to_register.append((state.request_id, index, block_hash))
+            else:
+                state.held_hashes.append(None)
 
     def _requeue(self, worker: WorkerState, state: RequestState) -> None:
         self._release(state)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.scheduler.prefix_cache import WorkerPrefixCache
 from shared.messages import BatchPlan, FinishReason, RequestRecord, SamplingParams
 
 Phase = Literal["waiting", "running", "finished", "cancelled", "failed"]
@@ -21,7 +22,15 @@ class RequestState:
     computed: int = 0
     in_flight_samples: int = 0  # tokens it samples in plans sent but not answered yet
     placement: int = 0  # bumped whenever it leaves a worker: tells its stale plan items apart
-    kv_blocks: int = 0  # KV blocks reserved for it on that worker
+    kv_blocks: int = 0  # KV blocks reserved for it on that worker (its own and shared cached ones)
+    # Prefix caching: the hashes of its full known blocks (a function of its tokens: kept when it
+    # moves), and on its current worker the hash of each of its blocks registered in that worker's
+    # cache (None: its own); the first `adopted_blocks` came from the cache when it was admitted.
+    block_chain: list[bytes] = field(default_factory=list)
+    held_hashes: list[bytes | None] = field(default_factory=list)
+    shared_blocks: int = 0  # entries of held_hashes that are not None
+    adopted_blocks: int = 0
+    cached_tokens: int | None = None  # prompt tokens found cached when it was first admitted (usage)
     status: Phase = "waiting"
     finish_reason: FinishReason | None = None
     stepped_on_worker: bool = False  # has had a step on its current worker (for IterationRecord.joined)
@@ -103,13 +112,34 @@ class WorkerState:
     running: dict[str, RequestState] = field(default_factory=dict)  # in admission order
     known: set[str] = field(default_factory=set)  # got their NewRequest since they were last freed here
     to_free: dict[str, None] = field(default_factory=dict)  # left this worker since its last plan
-    kv_blocks_reserved: int = 0
+    kv_blocks_reserved: int = 0  # blocks its running requests hold as their own (not registered)
+    cache: WorkerPrefixCache = field(default_factory=WorkerPrefixCache)
+    to_register: list[tuple[str, int, bytes]] = field(default_factory=list)  # (request, block index, hash)
+    to_evict: list[bytes] = field(default_factory=list)
     in_flight: list[PlanInFlight] = field(default_factory=list)  # oldest first; the worker runs them in order
     last_result_at: float = 0.0
 
     @property
     def kv_blocks_free(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_reserved
+        """Blocks neither held by a request nor cached."""
+        return self.kv_blocks_total - self.kv_blocks_reserved - len(self.cache)
+
+    @property
+    def kv_blocks_available(self) -> int:
+        """Free blocks and idle cached ones (evicted when needed): room for admission."""
+        return self.kv_blocks_free + self.cache.blocks_idle
+
+    def take_blocks(self, count: int) -> None:
+        """Reserve `count` blocks of a request's own, evicting idle cached ones if too few are free
+        (the caller checked kv_blocks_available)."""
+        if count > self.kv_blocks_free:
+            self.to_evict.extend(self.cache.evict(count - self.kv_blocks_free))
+        self.kv_blocks_reserved += count
+
+    def clear_cache(self) -> None:
+        self.cache.clear()
+        self.to_register.clear()
+        self.to_evict.clear()
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.kv_block_size)

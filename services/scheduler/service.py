@@ -79,6 +79,10 @@ class SchedulerService:
             max_batch_size=settings.max_batch_size,
             pipeline_depth=settings.pipeline_depth,
             max_batch_tokens=settings.max_batch_tokens,
+            prefix_caching=settings.prefix_caching,
+            placement=settings.placement,
+            placement_slack=settings.placement_slack,
+            cache_salt=settings.model_group or settings.model,
         )
         self.link = RedisLink(redis, on_write_failed=self._write_failed,
                               model_keys=keys.ModelKeys(settings.model_group))
@@ -281,6 +285,9 @@ class SchedulerService:
             waiting=self.policy.waiting_count, running=self.policy.running_count,
             waiting_tokens=self.policy.waiting_tokens, cpu_seconds=time.process_time(),
             phase_cpu_seconds=dict(self.phase_cpu),
+            prefix_cache_queried_tokens=self.policy.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=self.policy.prefix_cache_hit_tokens,
+            kv_blocks=self.policy.kv_blocks_by_worker(),
         )
         self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))

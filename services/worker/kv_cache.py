@@ -5,6 +5,14 @@ the engine holds has a row (services/worker/engine.py): its block table is a row
 preallocated [rows, max_blocks] array, so a step's slot mapping is one vectorized lookup, and on
 an accelerator the same table lives on the device for kernels that read the pool in place.
 Blocks are taken when a request grows and returned when it finishes, is cancelled or is evicted.
+
+Prefix caching (vLLM's automatic prefix caching, driven from outside): a full block whose tokens
+are known can be registered under a hash that names its contents (services/scheduler/prefix_cache.py
+computes it); from then on it is reference-counted, shared by every row that adopts it, and when
+its last row lets go it stays cached, holding its KV, until a plan evicts it. The scheduler decides
+all three (register, adopt, evict) and names them in its plans, so it knows this cache exactly
+without being told: this side never evicts on its own, and refuses a command that does not fit
+what it holds (CacheMismatch).
 """
 
 import numpy as np
@@ -17,6 +25,10 @@ class KVCacheFull(Exception):
     def __init__(self, request: str, blocks_needed: int, blocks_free: int):
         super().__init__(f"request {request} needs {blocks_needed} more KV blocks, {blocks_free} free")
         self.request, self.blocks_needed, self.blocks_free = request, blocks_needed, blocks_free
+
+
+class CacheMismatch(Exception):
+    """A prefix-cache command that does not fit this cache (a hash it does not hold, or holds in use)."""
 
 
 class BlockTables:
@@ -34,10 +46,25 @@ class BlockTables:
         self.block_tables = np.zeros((max_rows, max_blocks_per_row), dtype=np.int64)  # row -> its blocks
         self.blocks_held = np.zeros(max_rows, dtype=np.int64)  # valid entries of each row's table
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # tokens of each row whose KV is written
+        # The prefix cache: registered blocks by hash, and how many rows hold each (0: cached, idle).
+        self._block_of_hash: dict[bytes, int] = {}
+        self._hash_of_block: dict[int, bytes] = {}
+        self._references = np.zeros(num_blocks, dtype=np.int64)
+        self._blocks_idle = 0  # registered blocks no row holds: evictable
 
     @property
     def blocks_free(self) -> int:
+        """Blocks neither held by a row nor cached."""
         return len(self._free_blocks)
+
+    @property
+    def blocks_cached(self) -> int:
+        """Registered blocks no row holds: KV kept for a later request, evicted when a plan says so."""
+        return self._blocks_idle
+
+    def cached_hashes(self) -> dict[bytes, int]:
+        """Every registered block's hash and the rows holding it (0: idle)."""
+        return {block_hash: int(self._references[block]) for block_hash, block in self._block_of_hash.items()}
 
     @property
     def max_blocks_per_row(self) -> int:
@@ -70,16 +97,64 @@ class BlockTables:
         return self.block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def free(self, row: int) -> None:
-        """Return a row's blocks to the pool (harmless for a row that holds none)."""
+        """Let go of a row's blocks (harmless for a row that holds none): its own return to the pool,
+        registered ones lose a reference and stay cached."""
         held = int(self.blocks_held[row])
-        self._free_blocks.extend(self.block_tables[row, held - 1 :: -1].tolist() if held else ())
+        for block in (self.block_tables[row, held - 1 :: -1].tolist() if held else ()):
+            if block in self._hash_of_block:
+                self._references[block] -= 1
+                self._blocks_idle += self._references[block] == 0
+            else:
+                self._free_blocks.append(block)
         self.blocks_held[row] = 0
         self.lengths[row] = 0
 
     def free_all(self) -> None:
+        """Drop every row and the whole prefix cache."""
         for row in np.flatnonzero(self.blocks_held).tolist():
             self.free(row)
         self.lengths[:] = 0
+        self.evict(list(self._block_of_hash))
+
+    # The prefix cache's commands (in a plan's order: register, free, evict, adopt)
+
+    def register(self, row: int, index: int, block_hash: bytes) -> None:
+        """Name the row's full block `index` by its hash: shared and cached from now on."""
+        if index >= self.blocks_held[row] or (index + 1) * self.block_size > self.lengths[row]:
+            raise CacheMismatch(f"row {row} has no full block {index} to register")
+        block = int(self.block_tables[row, index])
+        if block_hash in self._block_of_hash or block in self._hash_of_block:
+            raise CacheMismatch(f"block {index} of row {row} or its hash is registered already")
+        self._block_of_hash[block_hash] = block
+        self._hash_of_block[block] = block_hash
+        self._references[block] = 1
+
+    def adopt(self, row: int, hashes: list[bytes]) -> None:
+        """Start an empty row with cached blocks as its first blocks (their KV is its prefix)."""
+        if self.blocks_held[row]:
+            raise CacheMismatch(f"row {row} holds blocks already")
+        if len(hashes) > self.max_blocks_per_row:
+            raise CacheMismatch(f"{len(hashes)} cached blocks exceed a row's table")
+        blocks = [self._block_of_hash.get(block_hash) for block_hash in hashes]
+        if None in blocks:
+            raise CacheMismatch(f"{blocks.count(None)} of {len(hashes)} cached blocks are not in this cache")
+        for index, block in enumerate(blocks):
+            self._blocks_idle -= self._references[block] == 0
+            self._references[block] += 1
+            self.block_tables[row, index] = block
+        self.blocks_held[row] = len(blocks)
+        self.lengths[row] = len(blocks) * self.block_size
+        self._table_grew(row, 0, len(blocks))
+
+    def evict(self, hashes: list[bytes]) -> None:
+        """Return idle cached blocks to the pool (all of them, or none when one is not idle)."""
+        blocks = [self._block_of_hash.get(block_hash) for block_hash in hashes]
+        if None in blocks or len(set(hashes)) < len(hashes) or any(self._references[block] for block in blocks):
+            raise CacheMismatch("evicting a block that is not cached or is in use")
+        for block_hash, block in zip(hashes, blocks):
+            del self._block_of_hash[block_hash], self._hash_of_block[block]
+            self._blocks_idle -= 1
+            self._free_blocks.append(block)
 
 
 class PagedKVCache(BlockTables):

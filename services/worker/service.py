@@ -31,7 +31,7 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from services.worker.engine import Engine
 from services.worker.rows import ItemRefusal, StepOutcome
-from services.worker.kv_cache import PagedKVCache
+from services.worker.kv_cache import CacheMismatch, PagedKVCache
 from shared import keys
 from shared.config import Settings, threads_per_worker
 from shared.model_file import load_metadata, weights_sha256
@@ -91,7 +91,7 @@ class Worker:
         return WorkerInfo(
             worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), device=self.device,
             kv_block_size=kv.block_size, kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free,
-            running=self.engine.running, draining=self.draining, started_at=self.started_at,
+            kv_blocks_cached=kv.blocks_cached, running=self.engine.running, draining=self.draining, started_at=self.started_at,
             heartbeat_at=time.time(), executor=self.engine.executor,
             hardware=self.engine.profile.name if self.engine.executor == "emulated" else "",
             busy_seconds=self.busy_seconds, model=self.model_name, weights_sha256=self.weights_sha256,
@@ -129,10 +129,15 @@ class Worker:
         elif plan.free_all:
             log.info("event=free_all worker=%s dropping=%d", self.worker_id, self.engine.running)
             self.engine.reset()
-        for request_id in plan.free_request_ids:
-            self.engine.free(request_id)
-        for new in plan.new_requests:
-            self.engine.add_request(new.request_id, new.sampling)
+        try:
+            self.engine.take_plan(plan)
+        except CacheMismatch as mismatch:
+            # The scheduler's copy of this cache and the cache differ: nothing of either can be
+            # trusted. Drop everything; the scheduler starts this worker over on seeing the code.
+            log.error("event=cache_mismatch worker=%s plan=%d error=%s", self.worker_id, plan.plan_id, mismatch)
+            self.engine.reset()
+            outcome = self.failed(plan, "cache_mismatch", str(mismatch))
+            return self._encode(decoded, outcome), outcome
         outcome = self.engine.step(plan.items)
         return self._encode(decoded, outcome), outcome
 
@@ -142,7 +147,7 @@ class Worker:
                     for request_id, value in outcome.logprobs.items()}
         return self.reader.encode_result(decoded, outcome.tokens, logprobs,
                                          [(error.request_id, error.code, error.message) for error in outcome.errors],
-                                         kv.blocks_total, kv.blocks_free, outcome.seconds)
+                                         kv.blocks_total, kv.blocks_free, outcome.seconds, kv.blocks_cached)
 
     async def serve(self, stop_event: asyncio.Event) -> None:
         stream = keys.plan_stream(self.worker_id)
@@ -301,6 +306,7 @@ def plan_result(plan: BatchPlan, outcome: StepOutcome, worker_id: str, kv: Paged
         errors=tuple(ItemError(request_id=error.request_id, code=error.code, message=error.message)
                      for error in outcome.errors),
         kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=outcome.seconds,
+        kv_blocks_cached=kv.blocks_cached,
     )
 
 

@@ -1,0 +1,321 @@
+"""Prefix caching: the worker's cache of full KV blocks (refcounts, LRU eviction), the scheduler's
+exact copy of it, and outputs that do not change when a prefix comes from the cache.
+
+The scheduler decides every change to a worker's cache and names it in its plans; these tests drive
+the real SchedulerPolicy and real executors (the engine on a tiny random model, and the emulated
+executor, whose block accounting is the engine's) in one process, plan by plan."""
+
+import random
+
+import pytest
+
+from services.scheduler.policy import SchedulerPolicy
+from services.scheduler.prefix_cache import extend_chain, root_hash
+from services.worker.emulated import EmulatedEngine
+from services.worker.hardware import load_profile
+from services.worker.kv_cache import BlockTables, CacheMismatch
+from services.worker.service import plan_result
+from shared.messages import BatchPlan, NewRequest, RequestRecord, SamplingParams
+from tests.engine_helpers import TINY_CONFIG, generate_alone, tiny_engine
+
+BLOCK = 4
+
+
+def emulated(kv_blocks: int) -> EmulatedEngine:
+    return EmulatedEngine(load_profile("h100-llama3-8b"), kv_blocks, BLOCK, 16, TINY_CONFIG.vocab_size,
+                          TINY_CONFIG.context_length, sleep=lambda seconds: None)
+
+
+def make_executor(kind: str, kv_blocks: int):
+    return emulated(kv_blocks) if kind == "emulated" else tiny_engine(kv_blocks=kv_blocks, kv_block_size=BLOCK,
+                                                                      max_batch_size=16)
+
+
+class Cluster:
+    """A SchedulerPolicy and executors as its workers, in one process. Plans are pipelined as the
+    service pipelines them: planned while the one before is still to run. Each worker checks, as
+    it takes a plan, that its cache equals the scheduler's copy at the moment the plan was made."""
+
+    def __init__(self, executors: dict, pipeline_depth: int = 2, **options):
+        self.executors = executors
+        options = {"max_batch_size": 8, "max_batch_tokens": 24, "prefix_caching": True} | options
+        self.policy = SchedulerPolicy("epoch", context_length=TINY_CONFIG.context_length, stop_token_ids=(),
+                                      pipeline_depth=pipeline_depth, **options)
+        self.queued: dict[str, list[tuple[BatchPlan, dict]]] = {worker_id: [] for worker_id in executors}
+        self.states = {}
+        self.plans: list[BatchPlan] = []
+        for worker_id, executor in executors.items():
+            self.policy.worker_up(worker_id, executor.kv_cache.blocks_total, BLOCK)
+        self.arrivals = 0
+
+    def add(self, request_id: str, prompt, max_tokens: int) -> None:
+        self.arrivals += 1
+        self.states[request_id] = self.policy.add_request(RequestRecord(
+            request_id=request_id, prompt_token_ids=tuple(prompt), arrival_time=float(self.arrivals),
+            sampling=SamplingParams(max_tokens=max_tokens, seed=self.arrivals, ignore_eos=True)))
+
+    def plan(self, worker_id: str) -> None:
+        while (plan := self.policy.next_plan(worker_id)) is not None:
+            copy = dict(self.policy.worker(worker_id).cache.references)
+            self.queued[worker_id].append((plan, copy))
+            self.plans.append(plan)
+
+    def run_one(self, worker_id: str) -> bool:
+        """The worker runs its oldest plan and answers it; False when it had none."""
+        if not self.queued[worker_id]:
+            return False
+        plan, copy = self.queued[worker_id].pop(0)
+        executor = self.executors[worker_id]
+        if plan.free_all:
+            executor.reset()
+        executor.take_plan(plan)
+        assert executor.kv_cache.cached_hashes() == copy, f"worker {worker_id}, plan {plan.plan_id}"
+        outcome = executor.step(plan.items)
+        self.policy.on_result(plan_result(plan, outcome, worker_id, executor.kv_cache))
+        self.policy.take_finished_without_token()
+        self.policy.take_iteration_records()
+        return True
+
+    def tick(self) -> bool:
+        busy = False
+        for worker_id in self.executors:
+            self.plan(worker_id)
+            busy |= self.run_one(worker_id)
+        return busy
+
+    def drain(self, limit: int = 2000) -> None:
+        for _ in range(limit):
+            if not self.tick() and not self.policy.running_count and not self.policy.waiting_count:
+                return
+        raise AssertionError("the cluster did not drain")
+
+    def kill(self, worker_id: str) -> None:
+        """The worker dies and a fresh one takes its name (an empty cache)."""
+        self.policy.worker_down(worker_id)
+        self.queued[worker_id].clear()
+        self.executors[worker_id].reset()
+        self.policy.worker_up(worker_id, self.executors[worker_id].kv_cache.blocks_total, BLOCK)
+
+    def output(self, request_id: str) -> list[int]:
+        return self.states[request_id].output_token_ids
+
+    def assert_nothing_held(self) -> None:
+        """Every reference returned: no block in use on either side, the cached ones the same."""
+        counts = self.policy.kv_blocks_by_worker()
+        for worker_id, executor in self.executors.items():
+            kv = executor.kv_cache
+            assert executor.running == 0
+            assert counts[worker_id]["in_use"] == 0
+            assert (counts[worker_id]["cached"], counts[worker_id]["free"]) == (kv.blocks_cached, kv.blocks_free)
+            assert kv.blocks_cached + kv.blocks_free == kv.blocks_total
+            assert set(kv.cached_hashes().values()) <= {0}
+
+
+# The worker's side: refcounts, idle blocks, commands that do not fit
+
+
+def test_block_tables_share_registered_blocks_keep_them_idle_and_refuse_commands_that_do_not_fit():
+    tables = BlockTables(num_blocks=6, block_size=2, max_rows=3, max_blocks_per_row=4)
+    tables.grow(0, 5)
+    tables.lengths[0] = 5  # 2 full blocks and a partial one
+    tables.register(0, 0, b"a" * 16)
+    tables.register(0, 1, b"b" * 16)
+    with pytest.raises(CacheMismatch):
+        tables.register(0, 2, b"c" * 16)  # not full
+    with pytest.raises(CacheMismatch):
+        tables.register(0, 1, b"d" * 16)  # registered already
+    tables.adopt(1, [b"a" * 16, b"b" * 16])
+    assert tables.lengths[1] == 4 and list(tables.block_table(1)) == list(tables.block_table(0)[:2])
+    assert tables.cached_hashes() == {b"a" * 16: 2, b"b" * 16: 2}
+    tables.free(0)  # its own third block returns to the pool; the shared two stay held by row 1
+    assert (tables.blocks_free, tables.blocks_cached) == (4, 0)
+    with pytest.raises(CacheMismatch):
+        tables.evict([b"a" * 16])  # in use
+    tables.free(1)
+    assert (tables.blocks_free, tables.blocks_cached) == (4, 2)
+    with pytest.raises(CacheMismatch):
+        tables.adopt(2, [b"a" * 16, b"z" * 16])  # not all cached: nothing changes
+    assert tables.blocks_held[2] == 0 and tables.cached_hashes() == {b"a" * 16: 0, b"b" * 16: 0}
+    tables.evict([b"b" * 16])
+    assert (tables.blocks_free, tables.blocks_cached) == (5, 1)
+    tables.free_all()
+    assert (tables.blocks_free, tables.blocks_cached, tables.cached_hashes()) == (6, 0, {})
+
+
+def test_a_plan_whose_cache_commands_do_not_fit_is_refused_by_the_executor():
+    executor = emulated(kv_blocks=8)
+    plan = BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w", new_requests=(
+        NewRequest(request_id="a", sampling=SamplingParams(), cached_blocks=(b"x" * 16,)),))
+    with pytest.raises(CacheMismatch):
+        executor.take_plan(plan)
+
+
+# The scheduler's copy against the workers' caches
+
+
+@pytest.mark.parametrize("kind", ["emulated", "engine"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_schedulers_copy_equals_every_workers_cache_through_a_random_history(kind, seed):
+    """Requests sharing a few prefixes arrive, are cancelled at random, preempted (a small pool),
+    their cached blocks evicted, a worker dies; at every plan each worker's cache equals the
+    scheduler's copy, and at the end every reference is back (nothing in use, the rest cached or
+    free, counted alike on both sides). On the real engine, every request that ran to its end has
+    the greedy tokens it has alone."""
+    rng = random.Random(seed)
+    cluster = Cluster({"w0": make_executor(kind, 24), "w1": make_executor(kind, 24)},
+                      placement=rng.choice(["cache-aware", "least-loaded"]), placement_slack=2)
+    vocab = TINY_CONFIG.vocab_size
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(4, 13))] for _ in range(3)]
+    cancelled = set()
+    for step in range(160):
+        if rng.random() < 0.35:
+            prompt = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+            cluster.add(f"r{step}", prompt, rng.randint(1, 10))
+        active = [request_id for request_id, state in cluster.states.items() if state.is_active]
+        if active and rng.random() < 0.08:
+            victim = rng.choice(active)
+            cluster.policy.cancel(victim)
+            cancelled.add(victim)
+        if step == 80:
+            cluster.kill("w1")
+        cluster.tick()
+    cluster.drain()
+    cluster.assert_nothing_held()
+    assert cluster.policy.prefix_cache_hit_tokens > 0, "no request found its prefix cached"
+    assert any(plan.evict_blocks for plan in cluster.plans), "the pool never had to evict"
+    if kind == "engine":
+        alone = tiny_engine(kv_blocks=64, kv_block_size=BLOCK)
+        for request_id, state in cluster.states.items():
+            if request_id not in cancelled and state.finish_reason == "length":
+                expected = generate_alone(alone, request_id, list(state.prompt_token_ids), state.sampling.max_tokens)
+                assert state.output_token_ids == expected, request_id
+
+
+def test_shared_blocks_outlive_a_cancelled_request_and_are_evicted_least_recently_used_first():
+    """a and b share a two-block prefix; a is cancelled mid-decode, b finishes exactly as alone;
+    then every block is cached and idle, and a pool-filling request evicts them oldest first."""
+    engine = tiny_engine(kv_blocks=12, kv_block_size=BLOCK, max_batch_size=16)
+    cluster = Cluster({"w": engine}, pipeline_depth=1)
+    prefix = [11, 12, 13, 14, 15, 16, 17, 18]
+    cluster.add("a", prefix + [1, 2], max_tokens=20)
+    for _ in range(3):
+        cluster.tick()
+    cluster.add("b", prefix + [3], max_tokens=6)
+    for _ in range(2):
+        cluster.tick()
+    worker = cluster.policy.worker("w")
+    chain = cluster.states["b"].block_chain[:2]
+    assert cluster.states["b"].adopted_blocks == 2 and [worker.cache.references[h] for h in chain] == [2, 2]
+    cluster.policy.cancel("a")
+    cluster.tick()
+    assert [worker.cache.references[h] for h in chain] == [1, 1], "a's references returned at once"
+    assert engine.kv_cache.cached_hashes()[chain[0]] == 1
+    cluster.drain()
+    assert cluster.output("b") == generate_alone(tiny_engine(kv_blocks=12, kv_block_size=BLOCK), "b", prefix + [3], 6)
+    cluster.assert_nothing_held()
+    idle_order = list(worker.cache.idle)  # least recently used first
+    a_only = [h for h in idle_order if h not in cluster.states["b"].block_chain]
+    assert idle_order[: len(a_only)] == a_only, "a's own blocks (released first) are the oldest"
+    cached = engine.kv_cache.blocks_cached
+    assert cached >= 4
+    # A request needing every block of the pool but one evicts all but one cached block, oldest first.
+    cluster.add("big", [200 + index % 50 for index in range(BLOCK * 11)], max_tokens=1)
+    cluster.tick()
+    evicted = [h for plan in cluster.plans[-1:] for h in plan.evict_blocks]
+    assert evicted == idle_order[: len(evicted)] and len(evicted) == cached - 1
+    cluster.drain()
+    cluster.assert_nothing_held()
+
+
+def test_a_conversations_next_turn_starts_after_its_cached_history_with_the_same_tokens():
+    """Turn 2 sends turn 1's prompt, its answer and a new message: it finds every full block of
+    turn 1 cached (at most all but its last token), prefills only the rest, and samples what the
+    same request samples on an empty cache."""
+    engine = tiny_engine(kv_blocks=40, kv_block_size=BLOCK)
+    cluster = Cluster({"w": engine})
+    first = list(range(30, 49))  # 19 tokens
+    cluster.add("turn1", first, max_tokens=9)
+    cluster.drain()
+    second = first + cluster.output("turn1") + [60, 61, 62]
+    cluster.add("turn2", second, max_tokens=8)
+    cluster.drain()
+    state = cluster.states["turn2"]
+    # turn 1's KV covers its prompt and all its output but the last token (never fed): 27 tokens.
+    assert state.cached_tokens == 27 // BLOCK * BLOCK == 24
+    first_item = next(item for plan in cluster.plans for item in plan.items if item.request_id == "turn2")
+    assert first_item.start_position == 24
+    assert cluster.output("turn2") == generate_alone(tiny_engine(kv_blocks=40, kv_block_size=BLOCK), "x", second, 8)
+    cluster.assert_nothing_held()
+
+
+def test_a_prompt_cached_whole_still_feeds_its_last_token_to_sample_from():
+    """The same block-aligned prompt twice: the second adopts all its blocks but the last (whose
+    last token must be fed for the logits to sample from) and samples what the first sampled."""
+    cluster = Cluster({"w": tiny_engine(kv_blocks=40, kv_block_size=BLOCK)})
+    prompt = list(range(50, 50 + 3 * BLOCK))
+    cluster.add("once", prompt, max_tokens=5)
+    cluster.drain()
+    cluster.add("again", prompt, max_tokens=5)
+    cluster.drain()
+    assert cluster.states["again"].cached_tokens == 2 * BLOCK
+    assert cluster.output("again") == cluster.output("once")
+    cluster.assert_nothing_held()
+
+
+def test_without_prefix_caching_nothing_is_registered_or_adopted():
+    cluster = Cluster({"w": emulated(kv_blocks=40)}, prefix_caching=False)
+    cluster.add("a", list(range(30, 49)), max_tokens=4)
+    cluster.drain()
+    cluster.add("b", list(range(30, 49)), max_tokens=4)
+    cluster.drain()
+    assert cluster.states["b"].cached_tokens == 0 and cluster.policy.prefix_cache_hit_tokens == 0
+    assert not any(plan.register_blocks or plan.evict_blocks for plan in cluster.plans)
+    assert cluster.executors["w"].kv_cache.blocks_cached == 0
+
+
+def test_cache_aware_placement_follows_the_prefix_unless_that_worker_is_too_loaded():
+    """Requests sharing a cached prefix go to the worker holding it while it runs at most
+    placement_slack (1) requests more than the other; past that, to the other."""
+    cluster = Cluster({"w0": emulated(kv_blocks=64), "w1": emulated(kv_blocks=64)}, placement="cache-aware",
+                      placement_slack=1, pipeline_depth=1)
+    shared = list(range(100, 120))
+    cluster.add("first", shared + [1], max_tokens=2)
+    cluster.drain()
+    home = next(plan.worker_id for plan in cluster.plans if plan.items)
+    other = "w1" if home == "w0" else "w0"
+    placed = []
+    for index in range(4):
+        cluster.add(f"r{index}", shared + [2 + index], max_tokens=40)
+        cluster.tick()
+        placed.append(cluster.states[f"r{index}"].worker_id)
+    # loads (home, other) before each: (0, 0) -> home, (1, 0) -> home, (2, 0) -> other (past the slack),
+    # (2, 1) -> other: r2 cached the prefix there too, and of two workers holding it the less loaded wins
+    assert placed == [home, home, other, other]
+    assert [cluster.states[f"r{index}"].adopted_blocks for index in range(4)] == [5, 5, 0, 5]
+    cluster.drain()
+    cluster.assert_nothing_held()
+
+
+def test_least_loaded_placement_ignores_the_cache():
+    cluster = Cluster({"w0": emulated(kv_blocks=64), "w1": emulated(kv_blocks=64)}, placement="least-loaded",
+                      pipeline_depth=1)
+    shared = list(range(100, 120))
+    cluster.add("first", shared + [1], max_tokens=2)
+    cluster.drain()
+    for index in range(4):
+        cluster.add(f"r{index}", shared + [2 + index], max_tokens=40)
+        cluster.tick()
+    placed = [cluster.states[f"r{index}"].worker_id for index in range(4)]
+    assert sorted(placed) == ["w0", "w0", "w1", "w1"]
+
+
+def test_block_hashes_name_a_whole_prefix_and_the_model():
+    tokens = list(range(12))
+    chains = []
+    for salt, sequence in (("m", tokens), ("m", tokens[:4] + [99] + tokens[5:]), ("other", tokens)):
+        chain: list[bytes] = []
+        extend_chain(chain, root_hash(salt), lambda start, end, sequence=sequence: sequence[start:end], 4, 3)
+        chains.append(chain)
+    assert chains[0][0] == chains[1][0] and chains[0][1] != chains[1][1] and chains[0][2] != chains[1][2]
+    assert not set(chains[0]) & set(chains[2])
+    assert all(len(block_hash) == 16 for block_hash in chains[0])
