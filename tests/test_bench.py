@@ -17,7 +17,14 @@ from services.bench.client import RequestResult
 from services.bench.experiments import headline_ratio, throughput_at_latency, throughput_ratios
 from services.bench.metrics import distribution, meets, percentile, summarize
 from services.bench.runner import BenchConfig, cancel_plan, run_benchmark
-from services.bench.workloads import BenchRequest, PromptSource, WorkloadConfig, build_requests, draw_lengths
+from services.bench.workloads import (
+    BenchRequest,
+    PromptSource,
+    WorkloadConfig,
+    build_conversations,
+    build_requests,
+    draw_lengths,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,6 +128,32 @@ def test_chat_prompts_are_text_that_encodes_back_to_the_wanted_length(tokenizer)
         templated = len(tokenizer.encode_chat(list(request.messages)))
         assert abs(templated - request.prompt_tokens) <= 3, (templated, request.prompt_tokens)
     assert exact >= 27, f"only {exact}/30 chat prompts round-trip to their length"
+
+
+def test_system_prompt_requests_share_one_system_message_and_differ_after_it(tokenizer):
+    source = PromptSource(tokenizer)
+    config = WorkloadConfig(name="system-prompt", system_prompt_tokens=64, input_range=(8, 16))
+    requests = build_requests(config, 5, seed=2, source=source)
+    systems = {request.messages[0]["content"] for request in requests}
+    assert len(systems) == 1 and len(tokenizer.encode(systems.pop())) == 64
+    assert len({request.messages[1]["content"] for request in requests}) == 5
+    assert all(8 <= len(tokenizer.encode(request.messages[1]["content"])) <= 16 for request in requests)
+
+
+def test_multiturn_conversations_are_repeatable_and_each_turn_carries_the_history(tokenizer):
+    source = PromptSource(tokenizer)
+    config = WorkloadConfig(name="multiturn", turns=3, think_time=0.5, input_range=(8, 16), output_range=(4, 8))
+    conversations = build_conversations(config, 4, seed=5, source=source)
+    assert conversations == build_conversations(config, 4, seed=5, source=source)
+    first = conversations[0]
+    assert len(first.user_messages) == 3 and len(first.think_seconds) == 2
+    assert all(4 <= tokens <= 8 for tokens in first.max_tokens)
+    history = ({"role": "user", "content": first.user_messages[0]}, {"role": "assistant", "content": "An answer."})
+    request = first.request(1, history, source.chat_overhead, 3)
+    assert request.messages == history + ({"role": "user", "content": first.user_messages[1]},)
+    assert (request.conversation, request.turn, request.index) == (0, 1, 1)
+    with pytest.raises(ValueError):
+        build_requests(config, 4, seed=5, source=source)
 
 
 def test_cancel_plan_picks_the_fraction_half_way_and_repeatably():
@@ -296,6 +329,36 @@ def test_bench_command_against_the_whole_system(tmp_path):
             assert 32 <= record["prompt_tokens"] <= 64
     assert report["server"]["policy"] == "iteration" and report["server"]["workers"] == 1
     assert "| normalized latency (ms/token) |" in completed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_multiturn_bench_against_the_whole_system_finds_each_history_cached(tmp_path):
+    """Two conversations of three turns: every later turn sends the answers back and finds the
+    turns before it in the prefix cache (usage.prompt_tokens_details.cached_tokens)."""
+    from tests.system import System
+
+    output = tmp_path / "multiturn.json"
+    with System(workers=1, kv_blocks=256) as system:
+        command = [sys.executable, "-m", "services.cli", "bench", "--url", system.base_url, "--workload", "multiturn",
+                   "--num-requests", "2", "--turns", "3", "--think-time", "0.1", "--concurrency", "2",
+                   "--input-range", "24", "40", "--output-range", "8", "16", "--output", str(output), "--no-progress"]
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(output.read_text())
+    summary = report["summary"]
+    assert (summary["requests"], summary["completed"]) == (6, 6), summary["errors"]
+    records = sorted(report["requests"], key=lambda record: (record["conversation"], record["turn"]))
+    for conversation in (0, 1):
+        turns = [record for record in records if record["conversation"] == conversation]
+        # (a first turn may find the chat template's default system message cached: others sent it)
+        assert [record["turn"] for record in turns] == [0, 1, 2] and turns[0]["cached_tokens"] < turns[1]["cached_tokens"]
+        for earlier, later in zip(turns, turns[1:]):
+            # The history grows by the answer and a new message; what was computed before is cached.
+            assert later["prompt_tokens"] > earlier["prompt_tokens"] + earlier["output_tokens"]
+            assert later["cached_tokens"] >= (earlier["prompt_tokens"] // 16 - 1) * 16 > 0
+    assert summary["prefix_cache"]["hit_rate"] > 0.3 and summary["ttft_ms_later_turns"]["p50"] > 0
+    assert "prefix cache hit rate" in completed.stdout and "turns 2+" in completed.stdout
 
 
 # Experiment 2's timeline, and the experiments' report, on synthetic data

@@ -22,7 +22,7 @@ import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import psutil
@@ -100,9 +100,15 @@ class StormRequest:
     cancel_after: float  # seconds after it arrives
 
 
+# Every storm request starts with it: their cached blocks are shared while some are cancelled.
+STORM_PREAMBLE = ("You are the storyteller of a children's radio show. Every answer is warm and short, and it "
+                  "ends with a gentle question for the listener. ")
+
+
 def storm_plan(count: int = 200, seed: int = 4) -> list[StormRequest]:
     rng = random.Random(seed)
-    specs = mixed("storm", count, 500, 5000, lambda index: rng.randint(4, 24))
+    specs = [replace(spec, prompt=STORM_PREAMBLE + spec.prompt)
+             for spec in mixed("storm", count, 500, 5000, lambda index: rng.randint(4, 24))]
     cancelled = set(rng.sample(range(count), count // 2))
     plan = []
     for index, spec in enumerate(specs):
@@ -339,15 +345,21 @@ async def busiest_worker(cluster: Cluster) -> tuple[str, str]:
 
 
 async def until_kv_all_free(cluster: Cluster, timeout: float = 10.0) -> float:
-    """Until every live worker reports all its KV blocks free; returns how long that took."""
+    """Until every live worker reports no KV block held by a request (each free, or cached for a
+    later prefix and evictable), and the scheduler's copy of every worker's cache counts the same
+    blocks cached and free as the worker itself; returns how long that took."""
     started = time.monotonic()
 
-    def free() -> bool:
-        workers = status_workers(cluster)
-        return bool(workers) and all(w["kv_blocks_free"] == w["kv_blocks_total"] and w["running"] == 0
-                                     for w in workers)
+    def released() -> bool:
+        _, status = cluster.get_json("/status")
+        workers, scheduler = status["workers"], status["scheduler"]
+        return bool(workers) and scheduler is not None and all(
+            w["kv_blocks_in_use"] == 0 and w["running"] == 0
+            and scheduler["kv_blocks"].get(w["id"]) == {"in_use": 0, "cached": w["kv_blocks_cached"],
+                                                         "free": w["kv_blocks_free"]}
+            for w in workers)
 
-    await until(free, "every worker's KV blocks back in its free pool", timeout)
+    await until(released, "every reference to a KV block returned, as the scheduler counts too", timeout)
     return time.monotonic() - started
 
 
@@ -430,7 +442,7 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
         client = asyncio.create_task(stream_request(http, cluster, spec, output))
         await until(lambda: len(output.pieces) >= 5, "the long request's first tokens")
         # /status shows each worker's last heartbeat (every 0.5 s): wait for one taken while it runs.
-        await until(lambda: any(worker["kv_blocks_free"] < worker["kv_blocks_total"]
+        await until(lambda: any(worker["kv_blocks_in_use"] > 0
                                 for worker in status_workers(cluster)), "a heartbeat showing its KV held", 10)
         cancel_sent_unix, cancel_sent_at = time.time(), time.monotonic()
         async with http.delete(f"{cluster.base_url}/v1/requests/{output.request_id}") as response:
@@ -448,8 +460,11 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
     assert output.finish_reason == "cancelled"
     metrics = cluster.get_text("/metrics")
     for worker in status_workers(cluster):
-        assert f'iterserve_worker_kv_blocks_free{{worker_id="{worker["id"]}"}} {worker["kv_blocks_total"]}.0' \
-            in metrics, f"/metrics does not show {worker['id']}'s blocks free"
+        free, cached = worker["kv_blocks_free"], worker["kv_blocks_cached"]
+        assert free + cached == worker["kv_blocks_total"], worker
+        assert f'iterserve_worker_kv_blocks_free{{worker_id="{worker["id"]}"}} {free}.0' in metrics and \
+            f'iterserve_worker_kv_blocks_cached{{worker_id="{worker["id"]}"}} {cached}.0' in metrics, \
+            f"/metrics does not show {worker['id']}'s blocks free or cached"
     events = token_events(cluster, output.request_id)
     final = events[-1]
     assert final.finish_reason == "cancelled" and final.token_id == -1 and final.completion_tokens == len(events) - 1
@@ -583,8 +598,11 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
                    for name in never_accepted), "only a client that left early may go unaccepted"
         _, status = cluster.get_json("/status")
         assert status["waiting"] == 0 and status["running"] == 0 and status["active_requests"] == 0, status
-        assert len(status["workers"]) == 2 and all(w["kv_blocks_free"] == w["kv_blocks_total"] == 256
-                                                   for w in status["workers"]), status["workers"]
+        assert len(status["workers"]) == 2 and all(
+            w["kv_blocks_in_use"] == 0 and w["kv_blocks_free"] + w["kv_blocks_cached"] == w["kv_blocks_total"] == 256
+            for w in status["workers"]), status["workers"]
+        shared_prefix_hits = status["scheduler"]["prefix_cache_hit_tokens"]
+        assert shared_prefix_hits > 0, "the storm's shared preamble was never found cached"
         stuck = {name: value for name, value in statuses.items() if value not in (b"finished", b"cancelled")}
         assert not stuck, f"not ended: {stuck}"
         accepted = {name: result for name, result in results.items() if result.output.request_id is not None}
@@ -619,7 +637,7 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
            ended_before_the_delete=ended_first, disconnect_raced_the_end=len(raced), never_accepted=len(never_accepted),
            cancelled_by_delete=sum(r.cancel == "delete" for r in STORM),
            cancelled_by_disconnect=sum(r.cancel == "disconnect" for r in STORM),
-           storm_seconds=round(storm_seconds, 1), preempted=preempted,
+           storm_seconds=round(storm_seconds, 1), preempted=preempted, prefix_cache_hit_tokens=shared_prefix_hits,
            test_seconds=round(time.monotonic() - started, 1))
 
 

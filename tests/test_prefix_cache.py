@@ -108,6 +108,7 @@ class Cluster:
             assert counts[worker_id]["in_use"] == 0
             assert (counts[worker_id]["cached"], counts[worker_id]["free"]) == (kv.blocks_cached, kv.blocks_free)
             assert kv.blocks_cached + kv.blocks_free == kv.blocks_total
+            assert type(kv.blocks_cached) is int  # it goes on the wire as it is
             assert set(kv.cached_hashes().values()) <= {0}
 
 

@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
                         help="output tokens: orca's uniform range (1 128), chat's clip range (1 512)")
     parser.add_argument("--input-median", type=int, default=128, help="chat: median prompt tokens")
     parser.add_argument("--output-median", type=int, default=64, help="chat: median output tokens")
+    parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation (default 4); "
+                        "--num-requests counts conversations, --rate and --concurrency start conversations")
+    parser.add_argument("--think-time", type=float, default=1.0,
+                        help="multiturn: mean seconds between an answer and the next turn (exponential, default 1)")
+    parser.add_argument("--system-prompt-tokens", type=int, default=512,
+                        help="system-prompt: tokens of the system prompt every user shares (default 512)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
     parser.add_argument("--ttft-slo", type=duration_seconds, help="goodput target for time to first token (ms)")
     parser.add_argument("--tpot-slo", type=duration_seconds, help="goodput target for time per output token (ms)")
@@ -83,6 +89,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         input_range=tuple(args.input_range) if args.input_range else None,
         output_range=tuple(args.output_range) if args.output_range else None,
         input_median=args.input_median, output_median=args.output_median, temperature=args.temperature,
+        turns=args.turns, think_time=args.think_time, system_prompt_tokens=args.system_prompt_tokens,
     )
     config = BenchConfig(
         url=args.url, workload=workload, num_requests=args.num_requests, rate=args.rate,

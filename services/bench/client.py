@@ -33,6 +33,10 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     cancelled: bool = False  # the bench cancelled it on purpose
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache
+    conversation: int = -1  # multiturn: its conversation and turn
+    turn: int = 0
+    text: str = ""  # what it answered (multiturn sends it back in the next turn; not in reports)
 
     @property
     def ok(self) -> bool:
@@ -61,6 +65,7 @@ class RequestResult:
 
     def to_json(self) -> dict:
         record = asdict(self)
+        del record["text"]
         record["chunk_times"] = [round(t, 6) for t in self.chunk_times]
         return record
 
@@ -82,7 +87,8 @@ async def send_request(
     timeout_s: float = 600.0,
 ) -> RequestResult:
     """Send one request and read its stream to the end (or cancel it after some chunks)."""
-    result = RequestResult(request.index, request.prompt_tokens, request.max_tokens, _now(run_start))
+    result = RequestResult(request.index, request.prompt_tokens, request.max_tokens, _now(run_start),
+                           conversation=request.conversation, turn=request.turn)
     try:
         async with asyncio.timeout(timeout_s):
             await _stream(session, base_url, request, model, temperature, run_start, result,
@@ -117,6 +123,7 @@ async def _stream(session, base_url, request, model, temperature, run_start, res
             for choice in chunk.get("choices") or ():
                 text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                 if text:
+                    result.text += text
                     now = _now(run_start)
                     if result.first_token_at is None:
                         result.first_token_at = now
@@ -127,6 +134,7 @@ async def _stream(session, base_url, request, model, temperature, run_start, res
             if chunk.get("usage"):
                 result.output_tokens = chunk["usage"]["completion_tokens"]
                 result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             if cancel_after is not None and result.finish_reason is None and len(result.chunk_times) >= cancel_after:
                 result.cancelled = True
                 result.output_tokens = len(result.chunk_times)

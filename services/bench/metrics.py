@@ -69,6 +69,12 @@ def summarize(results: Sequence[RequestResult], ttft_slo: float | None = None,
         "e2e_s": distribution(result.e2e for result in ok if result.e2e is not None),
         "normalized_latency_ms_per_token": distribution(
             (normalized_latency(result) for result in ok if result.output_tokens > 0), 1000),
+        # Prefix caching, from each answer's usage.prompt_tokens_details.cached_tokens.
+        "prefix_cache": {"prompt_tokens": prompt_tokens, "cached_tokens": sum(result.cached_tokens for result in ok),
+                         "hit_rate": sum(result.cached_tokens for result in ok) / prompt_tokens if prompt_tokens else None},
+        # Multiturn: the turns that have a history (the cache can serve it), apart.
+        "ttft_ms_later_turns": distribution((result.ttft for result in ok if result.turn > 0 and result.ttft is not None),
+                                            1000),
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
         "goodput": len(good) / duration if ttft_slo is not None or tpot_slo is not None else None,
         "slo_attainment": len(good) / len(ok) if ok and (ttft_slo is not None or tpot_slo is not None) else None,
@@ -110,10 +116,18 @@ def markdown(summary: dict, title: str = "Benchmark") -> str:
                             (("TTFT", slo["ttft_s"]), ("TPOT", slo["tpot_s"])) if value is not None)
         lines.append(f"| goodput requests/s ({targets}) | {_fmt(summary['goodput'], 3)} "
                      f"({_fmt(100 * summary['slo_attainment'], 0)}% met) |")
+    cache = summary.get("prefix_cache") or {}
+    if cache.get("hit_rate"):
+        lines.append(f"| prefix cache hit rate (prompt tokens found cached) | {_fmt(100 * cache['hit_rate'])}% |")
+    later_turns = summary.get("ttft_ms_later_turns") or {}
     lines += ["", "| latency | mean | p50 | p90 | p99 |", "|---|---|---|---|---|"]
-    for key, label in (("ttft_ms", "time to first token (ms)"), ("tpot_ms", "time per output token (ms)"),
-                       ("itl_ms", "inter-token latency (ms)"), ("e2e_s", "end-to-end latency (s)"),
-                       ("normalized_latency_ms_per_token", "normalized latency (ms/token)")):
+    rows = (("ttft_ms", "time to first token (ms)"),
+            *((("ttft_ms_later_turns", "time to first token, turns 2+ (ms)"),)
+              if not math.isnan(later_turns.get("mean", math.nan)) else ()),
+            ("tpot_ms", "time per output token (ms)"),
+            ("itl_ms", "inter-token latency (ms)"), ("e2e_s", "end-to-end latency (s)"),
+            ("normalized_latency_ms_per_token", "normalized latency (ms/token)"))
+    for key, label in rows:
         row = summary[key]
         digits = 2 if key == "e2e_s" else 1
         lines.append(f"| {label} | " + " | ".join(_fmt(row[stat], digits) for stat in ("mean", "p50", "p90", "p99")) + " |")

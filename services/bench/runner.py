@@ -21,7 +21,15 @@ import numpy as np
 from services.bench.arrivals import arrival_offsets
 from services.bench.client import CancelMode, RequestResult, send_request
 from services.bench.metrics import summarize
-from services.bench.workloads import DEFAULT_CORPUS, BenchRequest, PromptSource, WorkloadConfig, build_requests
+from services.bench.workloads import (
+    DEFAULT_CORPUS,
+    BenchRequest,
+    Conversation,
+    PromptSource,
+    WorkloadConfig,
+    build_conversations,
+    build_requests,
+)
 from shared.config import DEFAULT_MODEL
 from shared.tokenizer import Tokenizer
 
@@ -134,19 +142,29 @@ async def server_info(session: aiohttp.ClientSession, url: str) -> dict:
 
 
 async def run_benchmark(config: BenchConfig, requests: list[BenchRequest] | None = None) -> dict:
-    """Run the benchmark; returns the report (config, machine, summary, per-request records)."""
+    """Run the benchmark; returns the report (config, machine, summary, per-request records).
+    Multiturn: num_requests conversations, started at `rate` per second (or `concurrency` at a
+    time), each sending its turns in order; a turn that fails ends its conversation."""
+    conversations: list[Conversation] = []
+    chat_overhead = 0
     if requests is None:
         source = PromptSource(Tokenizer.load(config.model), Path(config.corpus))
-        requests = build_requests(config.workload, config.num_requests, config.seed, source)
-    offsets = arrival_offsets(len(requests), config.rate, config.burstiness, config.seed)
-    cancels = cancel_plan(requests, config.cancel_fraction, config.seed)
+        chat_overhead = source.chat_overhead
+        if config.workload.name == "multiturn":
+            conversations = build_conversations(config.workload, config.num_requests, config.seed, source)
+        else:
+            requests = build_requests(config.workload, config.num_requests, config.seed, source)
+    starts = conversations or requests
+    offsets = arrival_offsets(len(starts), config.rate, config.burstiness, config.seed)
+    cancels = cancel_plan(requests, config.cancel_fraction, config.seed) if requests else {}
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue requests in the client
     async with aiohttp.ClientSession(connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         server = await server_info(session, config.url)
         await _warm_up(session, config)
-        progress = Progress(len(requests), config.progress, f"{config.label}: " if config.label else "")
+        total = len(conversations) * config.workload.turns if conversations else len(requests)
+        progress = Progress(total, config.progress, f"{config.label}: " if config.label else "")
         run_start = time.perf_counter()
         started_at_unix = time.time()
         finished: dict[int, RequestResult] = {}
@@ -159,11 +177,18 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest] | None
             finished[request.index] = result
             return result
 
-        if config.concurrency:
+        if conversations:
+            def one_conversation(conversation: Conversation):
+                return _conversation(conversation, config.workload, chat_overhead, one)
+
+            work = (_closed_loop(conversations, config.concurrency, one_conversation) if config.concurrency else
+                    _open_loop(conversations, offsets, run_start, one_conversation))
+            work = _flattened(work)
+        elif config.concurrency:
             work = _closed_loop(requests, config.concurrency, one)
         else:
             work = _open_loop(requests, offsets, run_start, one)
-        results = await _bounded(work, config.max_duration, requests, finished, run_start)
+        results = await _bounded(work, config.max_duration, requests or [], finished, run_start)
         progress.draw(final=True)
         finished_at_unix = time.time()
     results.sort(key=lambda result: result.index)
@@ -180,6 +205,27 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest] | None
         "summary": summary,
         "requests": [result.to_json() for result in results],
     }
+
+
+async def _conversation(conversation: Conversation, workload: WorkloadConfig, chat_overhead: int,
+                        one) -> list[RequestResult]:
+    """Its turns in order, each with the whole history, after the think time since the last answer."""
+    history: tuple[dict, ...] = ()
+    results = []
+    for turn in range(workload.turns):
+        if turn:
+            await asyncio.sleep(conversation.think_seconds[turn - 1])
+        request = conversation.request(turn, history, chat_overhead, workload.turns)
+        result = await one(request)
+        results.append(result)
+        if not result.ok:
+            break
+        history = request.messages + ({"role": "assistant", "content": result.text},)
+    return results
+
+
+async def _flattened(work) -> list[RequestResult]:
+    return [result for results in await work for result in results]
 
 
 async def _open_loop(requests, offsets, run_start, one) -> list[RequestResult]:
@@ -211,6 +257,8 @@ async def _bounded(work, max_duration, requests, finished, run_start) -> list[Re
     except TimeoutError:
         # What did not end in time counts as failed; its abandoned stream is cancelled server-side.
         now = time.perf_counter() - run_start
+        if not requests:  # multiturn: the turns not sent are not counted
+            return list(finished.values())
         return [finished.get(request.index) or RequestResult(
             request.index, request.prompt_tokens, request.max_tokens, now, finished_at=now,
             error=f"run stopped after {max_duration:.0f}s") for request in requests]

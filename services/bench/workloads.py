@@ -4,6 +4,12 @@ orca: the Orca paper's synthetic workload, input lengths uniform in [32, 512] to
       lengths uniform in [1, 128] (both ranges can be changed, e.g. to scale a run down).
 chat: a long-tailed chat mix, lengths log-normal (most requests short, a few long), clipped to
       the ranges; sent to /v1/chat/completions as a user message.
+multiturn: conversations (num_requests of them) of `turns` turns; each turn sends the whole
+      history (its user messages and the answers it got) plus a new user message, after a think
+      time (exponential, mean `think_time` s) from the previous answer; many conversations
+      interleave. The input range is each new user message's, the output range each answer's.
+system-prompt: many users, one long system prompt (`system_prompt_tokens`) before each user's
+      own short message (the input range), as a deployed assistant sends them.
 
 Output lengths are forced: max_tokens plus `ignore_eos`, so a run's work does not depend on
 what the model happens to say. Prompts are windows of benchmarks/corpus.txt (real prose) in
@@ -20,14 +26,16 @@ import numpy as np
 
 from shared.tokenizer import Tokenizer
 
-WorkloadName = Literal["orca", "chat"]
-WORKLOADS: tuple[WorkloadName, ...] = ("orca", "chat")
+WorkloadName = Literal["orca", "chat", "multiturn", "system-prompt"]
+WORKLOADS: tuple[WorkloadName, ...] = ("orca", "chat", "multiturn", "system-prompt")
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "corpus.txt"
-LENGTHS_STREAM, PROMPTS_STREAM = 1, 3  # sub-streams of the run's seed (arrivals.py has 2)
+LENGTHS_STREAM, PROMPTS_STREAM, THINK_STREAM = 1, 3, 5  # sub-streams of the run's seed (arrivals.py has 2)
 
 DEFAULT_RANGES = {  # (input range, output range) in tokens
     "orca": ((32, 512), (1, 128)),
     "chat": ((8, 2048), (1, 512)),
+    "multiturn": ((16, 192), (16, 128)),  # per turn: the new user message, the answer
+    "system-prompt": ((8, 128), (1, 128)),  # the user's own message, the answer
 }
 CHAT_INPUT_MEDIAN, CHAT_INPUT_SIGMA = 128, 1.0
 CHAT_OUTPUT_MEDIAN, CHAT_OUTPUT_SIGMA = 64, 0.9
@@ -41,6 +49,9 @@ class WorkloadConfig:
     input_median: int = CHAT_INPUT_MEDIAN  # chat only
     output_median: int = CHAT_OUTPUT_MEDIAN  # chat only
     temperature: float = 0.0  # greedy; each request also carries its own seed
+    turns: int = 4  # multiturn: turns per conversation
+    think_time: float = 1.0  # multiturn: mean seconds between an answer and the next turn
+    system_prompt_tokens: int = 512  # system-prompt: its length
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -48,6 +59,8 @@ class WorkloadConfig:
         for label, (low, high) in (("input", self.inputs), ("output", self.outputs)):
             if not 1 <= low <= high:
                 raise ValueError(f"{label} range must be 1 <= low <= high (got {low}, {high})")
+        if self.turns < 1 or self.think_time < 0 or self.system_prompt_tokens < 1:
+            raise ValueError("turns and system_prompt_tokens must be >= 1, think_time >= 0")
 
     @property
     def inputs(self) -> tuple[int, int]:
@@ -61,6 +74,12 @@ class WorkloadConfig:
         (in_low, in_high), (out_low, out_high) = self.inputs, self.outputs
         if self.name == "orca":
             return f"orca: input uniform {in_low}-{in_high} tokens, output uniform {out_low}-{out_high} tokens"
+        if self.name == "multiturn":
+            return (f"multiturn: {self.turns} turns per conversation, each a new user message of {in_low}-{in_high} "
+                    f"tokens after {self.think_time:g} s mean think time, answers of {out_low}-{out_high} tokens")
+        if self.name == "system-prompt":
+            return (f"system-prompt: one {self.system_prompt_tokens}-token system prompt, then each user's message "
+                    f"of {in_low}-{in_high} tokens, answers of {out_low}-{out_high} tokens")
         return (f"chat: input log-normal median {self.input_median} clipped {in_low}-{in_high}, "
                 f"output log-normal median {self.output_median} clipped {out_low}-{out_high} tokens")
 
@@ -74,6 +93,8 @@ class BenchRequest:
     seed: int
     prompt: tuple[int, ...] = ()  # completions: token ids
     messages: tuple[dict, ...] = field(default=())  # chat
+    conversation: int = -1  # multiturn: which conversation, and which of its turns
+    turn: int = 0
 
     def body(self, model: str, temperature: float) -> dict:
         body = {"model": model, "max_tokens": self.max_tokens, "ignore_eos": True, "temperature": temperature,
@@ -89,7 +110,7 @@ def draw_lengths(config: WorkloadConfig, count: int, seed: int) -> tuple[list[in
     """Input and output lengths of `count` requests; the same for the same seed, whatever the rate."""
     rng = np.random.default_rng([seed, LENGTHS_STREAM])
     (in_low, in_high), (out_low, out_high) = config.inputs, config.outputs
-    if config.name == "orca":
+    if config.name != "chat":
         inputs = rng.integers(in_low, in_high, size=count, endpoint=True)
         outputs = rng.integers(out_low, out_high, size=count, endpoint=True)
     else:
@@ -132,15 +153,60 @@ class PromptSource:
         return text
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A multiturn conversation: its user messages, each answer's length, the pause before each turn."""
+
+    index: int
+    user_messages: tuple[str, ...]
+    user_tokens: tuple[int, ...]
+    max_tokens: tuple[int, ...]
+    think_seconds: tuple[float, ...]  # before each turn after the first
+    seed: int
+
+    def request(self, turn: int, history: tuple[dict, ...], chat_overhead: int, turns: int) -> BenchRequest:
+        """Turn `turn`'s request: the history so far (user messages and answers) and its new message."""
+        messages = history + ({"role": "user", "content": self.user_messages[turn]},)
+        prompt_tokens = sum(self.user_tokens[: turn + 1]) + chat_overhead * (2 * turn + 1)  # answers: from usage
+        return BenchRequest(self.index * turns + turn, "chat", prompt_tokens, self.max_tokens[turn], self.seed + turn,
+                            messages=messages, conversation=self.index, turn=turn)
+
+
+def build_conversations(config: WorkloadConfig, count: int, seed: int, source: PromptSource) -> list[Conversation]:
+    turns = config.turns
+    inputs, outputs = draw_lengths(config, count * turns, seed)
+    rng = np.random.default_rng([seed, PROMPTS_STREAM])
+    offsets = rng.integers(0, len(source.corpus_ids), size=count * turns)
+    seeds = rng.integers(0, 2**62, size=count)
+    think = np.random.default_rng([seed, THINK_STREAM]).exponential(config.think_time, size=count * turns)
+    conversations = []
+    for index in range(count):
+        span = range(index * turns, (index + 1) * turns)
+        conversations.append(Conversation(
+            index, tuple(source.text_of_length(int(offsets[position]), inputs[position]) for position in span),
+            tuple(inputs[position] for position in span), tuple(outputs[position] for position in span),
+            tuple(float(think[position]) for position in span[1:]), int(seeds[index])))
+    return conversations
+
+
 def build_requests(config: WorkloadConfig, count: int, seed: int, source: PromptSource) -> list[BenchRequest]:
+    """The requests of a workload whose requests do not depend on answers (all but multiturn)."""
+    if config.name == "multiturn":
+        raise ValueError("multiturn requests depend on the answers: build_conversations")
     inputs, outputs = draw_lengths(config, count, seed)
     rng = np.random.default_rng([seed, PROMPTS_STREAM])
     offsets = rng.integers(0, len(source.corpus_ids), size=count)
     seeds = rng.integers(0, 2**62, size=count)
     requests = []
+    system = ({"role": "system", "content": source.text_of_length(0, config.system_prompt_tokens)}
+              if config.name == "system-prompt" else None)  # the same for everyone: a fixed window of the corpus
     for index, (input_tokens, output_tokens) in enumerate(zip(inputs, outputs, strict=True)):
         offset, request_seed = int(offsets[index]), int(seeds[index])
-        if config.name == "chat":
+        if system is not None:
+            message = {"role": "user", "content": source.text_of_length(offset, input_tokens)}
+            requests.append(BenchRequest(index, "chat", source.chat_overhead * 2 + config.system_prompt_tokens
+                                         + input_tokens, output_tokens, request_seed, messages=(system, message)))
+        elif config.name == "chat":
             content_tokens = max(1, input_tokens - source.chat_overhead)
             message = {"role": "user", "content": source.text_of_length(offset, content_tokens)}
             requests.append(BenchRequest(index, "chat", source.chat_overhead + content_tokens, output_tokens, request_seed,

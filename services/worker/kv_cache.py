@@ -60,7 +60,7 @@ class BlockTables:
     @property
     def blocks_cached(self) -> int:
         """Registered blocks no row holds: KV kept for a later request, evicted when a plan says so."""
-        return self._blocks_idle
+        return self._blocks_idle  # (a Python int: it goes on the wire)
 
     def cached_hashes(self) -> dict[bytes, int]:
         """Every registered block's hash and the rows holding it (0: idle)."""
@@ -103,7 +103,7 @@ class BlockTables:
         for block in (self.block_tables[row, held - 1 :: -1].tolist() if held else ()):
             if block in self._hash_of_block:
                 self._references[block] -= 1
-                self._blocks_idle += self._references[block] == 0
+                self._blocks_idle += int(self._references[block] == 0)
             else:
                 self._free_blocks.append(block)
         self.blocks_held[row] = 0
@@ -139,7 +139,7 @@ class BlockTables:
         if None in blocks:
             raise CacheMismatch(f"{blocks.count(None)} of {len(hashes)} cached blocks are not in this cache")
         for index, block in enumerate(blocks):
-            self._blocks_idle -= self._references[block] == 0
+            self._blocks_idle -= int(self._references[block] == 0)
             self._references[block] += 1
             self.block_tables[row, index] = block
         self.blocks_held[row] = len(blocks)

@@ -1,0 +1,147 @@
+"""Prefix caching and cache-aware placement, side by side in one run, through the whole system.
+
+    .venv/bin/python benchmarks/prefix_cache.py [--conversations 8] [--turns 4] [--quick]
+
+Each configuration is `iterserve up` as a user runs it (real gateway, Redis, scheduler, workers
+and model), driven by `iterserve bench` with the same seeded workload:
+1. multiturn, one worker: prefix caching on against --no-prefix-caching (time to first token of
+   turns 2 and later, throughput);
+2. multiturn, two workers: --placement cache-aware against least-loaded (hit rate, time to first
+   token of later turns, and the largest gap in running requests between the two workers, sampled
+   from /status every 0.2 s, against --placement-slack);
+3. system-prompt, one worker: caching on against off.
+Writes benchmarks/results/prefix_cache.json and .md (the ratios first). This machine is shared
+and noisy: the ratios are what to read, each pair measured back to back.
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.bench.runner import BenchConfig, run_benchmark  # noqa: E402
+from services.bench.server import ServerProcess  # noqa: E402
+from services.bench.workloads import WorkloadConfig  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SLACK = 8  # the default --placement-slack
+
+
+class LoadGap:
+    """The largest difference in running requests between workers, from /status while a run lasts."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.largest, self.samples = url, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                with urllib.request.urlopen(f"{self.url}/status", timeout=2) as response:
+                    running = [worker["running"] for worker in json.loads(response.read())["workers"]]
+            except (OSError, ValueError, KeyError):
+                continue
+            if len(running) > 1:
+                self.largest = max(self.largest, max(running) - min(running))
+                self.samples += 1
+
+    def __enter__(self) -> "LoadGap":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def run(label: str, workers: int, server_args: tuple[str, ...], workload: WorkloadConfig, count: int,
+        concurrency: int) -> dict:
+    with ServerProcess(workers=workers, extra_args=server_args) as server:
+        config = BenchConfig(url=server.url, workload=workload, num_requests=count, concurrency=concurrency,
+                             seed=11, warmup=1, progress=False, label=label)
+        with LoadGap(server.url) as gap:
+            report = asyncio.run(run_benchmark(config))
+        summary = report["summary"]
+    result = {
+        "label": label, "workers": workers, "server_args": list(server_args), "workload": workload.describe(),
+        "completed": summary["completed"], "failed": summary["failed"],
+        "output_tokens_per_s": summary["output_token_throughput"],
+        "hit_rate": summary["prefix_cache"]["hit_rate"] or 0.0,
+        "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_later_turns_p50_ms": summary["ttft_ms_later_turns"]["p50"],
+        "largest_running_gap": gap.largest if workers > 1 else None,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--users", type=int, default=24, help="system-prompt workload: requests")
+    parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.conversations, args.turns, args.users = 4, 3, 8
+    multiturn = WorkloadConfig(name="multiturn", input_range=(32, 96), output_range=(16, 48), turns=args.turns,
+                               think_time=0.5)
+    shared = WorkloadConfig(name="system-prompt", input_range=(16, 48), output_range=(8, 24), system_prompt_tokens=384)
+    started = time.time()
+    runs = {
+        "one_worker_cached": run("multiturn, 1 worker, prefix caching", 1, (), multiturn, args.conversations, 4),
+        "one_worker_uncached": run("multiturn, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",), multiturn,
+                                   args.conversations, 4),
+        "two_workers_cache_aware": run("multiturn, 2 workers, cache-aware", 2, ("--placement", "cache-aware"),
+                                       multiturn, args.conversations, 8),
+        "two_workers_least_loaded": run("multiturn, 2 workers, least-loaded", 2, ("--placement", "least-loaded"),
+                                        multiturn, args.conversations, 8),
+        "system_prompt_cached": run("system-prompt, 1 worker, prefix caching", 1, (), shared, args.users, 8),
+        "system_prompt_uncached": run("system-prompt, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",),
+                                      shared, args.users, 8),
+    }
+    cached, uncached = runs["one_worker_cached"], runs["one_worker_uncached"]
+    aware, least = runs["two_workers_cache_aware"], runs["two_workers_least_loaded"]
+    ratios = {
+        "one_worker_ttft_later_turns_uncached_over_cached": ratio(uncached["ttft_later_turns_p50_ms"],
+                                                                  cached["ttft_later_turns_p50_ms"]),
+        "one_worker_throughput_cached_over_uncached": ratio(cached["output_tokens_per_s"],
+                                                            uncached["output_tokens_per_s"]),
+        "two_workers_hit_rate_cache_aware_over_least_loaded": ratio(aware["hit_rate"], least["hit_rate"]),
+        "two_workers_ttft_later_turns_least_loaded_over_cache_aware": ratio(least["ttft_later_turns_p50_ms"],
+                                                                            aware["ttft_later_turns_p50_ms"]),
+        "system_prompt_ttft_uncached_over_cached": ratio(runs["system_prompt_uncached"]["ttft_p50_ms"],
+                                                         runs["system_prompt_cached"]["ttft_p50_ms"]),
+    }
+    report = {"command": " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]]), "seconds": round(time.time() - started),
+              "placement_slack": SLACK, "ratios": ratios, "runs": runs}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefix_cache.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = ["# Prefix caching and cache-aware placement", "", f"`.venv/bin/python {report['command']}` "
+             f"({report['seconds']} s, CPU, SmolLM2-135M; ratios from back-to-back runs of the same seeded workload)",
+             "", "| ratio | value |", "|---|---|"]
+    lines += [f"| {name} | {value:.2f} |" if value else f"| {name} | - |" for name, value in ratios.items()]
+    lines += ["", "| run | completed | output tok/s | hit rate | TTFT p50 ms | TTFT p50 turns 2+ ms | "
+              "largest running gap |", "|---|---|---|---|---|---|---|"]
+    for result in runs.values():
+        later = result["ttft_later_turns_p50_ms"]
+        lines.append(f"| {result['label']} | {result['completed']} | {result['output_tokens_per_s']:.1f} | "
+                     f"{100 * result['hit_rate']:.1f}% | {result['ttft_p50_ms']:.0f} | "
+                     f"{'-' if later != later else f'{later:.0f}'} | "
+                     f"{'-' if result['largest_running_gap'] is None else result['largest_running_gap']} |")
+    (RESULTS / "prefix_cache.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Prefix caching through the whole system: real processes, Redis, the model, HTTP.
+
+A conversation's next turn finds its history cached (usage says how much, /metrics counts it) and
+answers what the engine alone answers; a request whose prefix is cached on a worker that dies is
+rebuilt on the other one, token-exact."""
+
+import concurrent.futures
+import json
+import re
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.cluster import Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+MODEL = "smollm2-135m-instruct"
+BLOCK = 16  # the default kv_block_size
+SYSTEM_PROMPT = ("You are a careful assistant for a school library. You answer questions about geography, history "
+                 "and science in two or three plain sentences, and you give one concrete example every time.")
+
+
+@pytest.fixture(scope="module")
+def engine_alone():
+    from tests.engine_helpers import smollm2_engine_alone
+
+    return smollm2_engine_alone()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.tokenizer import Tokenizer
+
+    return Tokenizer.load()
+
+
+def greedy_alone(engine, tokenizer, prompt_ids: list[int], max_tokens: int, stop: bool = True) -> str:
+    from tests.engine_helpers import generate_alone
+
+    stop_ids = tokenizer.stop_token_ids if stop else frozenset()
+    output = generate_alone(engine, "oracle", prompt_ids, max_tokens, stop_ids=stop_ids)
+    return tokenizer.decode([token for token in output if token not in stop_ids])
+
+
+def status(cluster: Cluster) -> dict:
+    return cluster.get_json("/status")[1]
+
+
+def wait_for(condition, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def admissions(cluster: Cluster, request_id: str) -> list[dict]:
+    """The scheduler's admitted lines for a request: worker, output tokens so far, tokens found cached."""
+    found = []
+    for _, line in cluster.log_events("scheduler", f"admitted request_id={request_id} "):
+        fields = dict(re.findall(r"(\w+)=(\S+)", line))
+        found.append({"worker_id": fields["worker_id"], "output_tokens": int(fields["output_tokens"]),
+                      "cached_tokens": int(fields["cached_tokens"])})
+    return found
+
+
+def test_a_conversations_turns_and_a_cached_prefix_on_a_worker_that_dies(engine_alone, tokenizer):
+    with Cluster(workers=2) as cluster:
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+        # A conversation: turn 2 sends turn 1's messages, its answer and a new question.
+        history = [{"role": "system", "content": SYSTEM_PROMPT},
+                   {"role": "user", "content": "What is the capital of France?"}]
+        first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=16, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert first.choices[0].message.content == greedy_alone(engine_alone, tokenizer,
+                                                                tokenizer.encode_chat(history), 16)
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And what is the capital of Italy?"}]
+        second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=16, temperature=0)
+        turn_one_blocks = len(tokenizer.encode_chat(history[:2])) // BLOCK
+        assert second.usage.prompt_tokens_details.cached_tokens >= turn_one_blocks * BLOCK > 0
+        assert second.choices[0].message.content == greedy_alone(engine_alone, tokenizer,
+                                                                 tokenizer.encode_chat(history), 16)
+        metrics = cluster.get_text("/metrics")
+        hits = float(re.search(r'iterserve_prefix_cache_hits_tokens\{model="[^"]+"\} (\S+)', metrics).group(1))
+        assert hits >= second.usage.prompt_tokens_details.cached_tokens
+
+        # A prefix cached on one worker; a request sharing it starts there, and that worker dies.
+        prefix = SYSTEM_PROMPT + " Today's topic is the water cycle, from the sea to the clouds and back."
+        warm = client.completions.create(model=MODEL, prompt=prefix + " First question: what is rain?", max_tokens=2,
+                                         temperature=0)
+        assert warm.usage.completion_tokens == 2
+        holder = wait_for(lambda: next((w for w in status(cluster)["workers"]
+                                        if w["kv_blocks_cached"] >= len(tokenizer.encode_prompt(prefix)) // BLOCK), None),
+                          "a heartbeat showing the prefix cached")
+        prompt = prefix + " Second question: why do clouds float?"
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+        def send() -> dict:
+            request = urllib.request.Request(f"{cluster.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(send)
+            wait_for(lambda: any(w["id"] == holder["id"] and w["running"] > 0 for w in status(cluster)["workers"]),
+                     "the request running where its prefix is cached")
+            time.sleep(1.0)  # some of its tokens decoded there
+            cluster.kill(cluster.name_of_worker(holder["id"]))
+            result = answer.result(timeout=120)
+        request_id = result["id"]
+        placed = admissions(cluster, request_id)
+        assert placed[0]["worker_id"] == holder["id"] and placed[0]["cached_tokens"] > 0, placed
+        assert len(placed) == 2 and placed[1]["worker_id"] != holder["id"] and placed[1]["output_tokens"] > 0, \
+            f"not rebuilt elsewhere mid-run: {placed}"
+        expected = greedy_alone(engine_alone, tokenizer, tokenizer.encode_prompt(prompt), 48, stop=False)
+        assert result["choices"][0]["text"] == expected
+        assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == placed[0]["cached_tokens"]
