@@ -1,6 +1,6 @@
 """Prefix caching and cache-aware placement, side by side in one run, through the whole system.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--conversations 8] [--turns 4] [--quick]
+    .venv/bin/python benchmarks/prefix_cache.py [--conversations 8] [--turns 8] [--quick]
 
 Each configuration is `iterserve up` as a user runs it (real gateway, Redis, scheduler, workers
 and model), driven by `iterserve bench` with the same seeded workload:
@@ -88,14 +88,14 @@ def ratio(numerator: float, denominator: float) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--users", type=int, default=24, help="system-prompt workload: requests")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
         args.conversations, args.turns, args.users = 4, 3, 8
-    multiturn = WorkloadConfig(name="multiturn", input_range=(32, 96), output_range=(16, 48), turns=args.turns,
-                               think_time=0.5)
+    multiturn = WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=args.turns,
+                               think_time=1.0)
     shared = WorkloadConfig(name="system-prompt", input_range=(16, 48), output_range=(8, 24), system_prompt_tokens=384)
     started = time.time()
     runs = {

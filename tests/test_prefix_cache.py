@@ -8,6 +8,7 @@ executor, whose block accounting is the engine's) in one process, plan by plan."
 import random
 
 import pytest
+import torch
 
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.prefix_cache import extend_chain, root_hash
@@ -17,6 +18,7 @@ from services.worker.kv_cache import BlockTables, CacheMismatch
 from services.worker.service import plan_result
 from shared.messages import BatchPlan, NewRequest, RequestRecord, SamplingParams
 from tests.engine_helpers import TINY_CONFIG, generate_alone, tiny_engine
+from tests.requirements import import_or_skip
 
 BLOCK = 4
 
@@ -45,7 +47,7 @@ class Cluster:
         self.states = {}
         self.plans: list[BatchPlan] = []
         for worker_id, executor in executors.items():
-            self.policy.worker_up(worker_id, executor.kv_cache.blocks_total, BLOCK)
+            self.policy.worker_up(worker_id, executor.kv_cache.blocks_total, executor.kv_cache.block_size)
         self.arrivals = 0
 
     def add(self, request_id: str, prompt, max_tokens: int) -> None:
@@ -94,7 +96,8 @@ class Cluster:
         self.policy.worker_down(worker_id)
         self.queued[worker_id].clear()
         self.executors[worker_id].reset()
-        self.policy.worker_up(worker_id, self.executors[worker_id].kv_cache.blocks_total, BLOCK)
+        kv = self.executors[worker_id].kv_cache
+        self.policy.worker_up(worker_id, kv.blocks_total, kv.block_size)
 
     def output(self, request_id: str) -> list[int]:
         return self.states[request_id].output_token_ids
@@ -320,3 +323,52 @@ def test_block_hashes_name_a_whole_prefix_and_the_model():
     assert chains[0][0] == chains[1][0] and chains[0][1] != chains[1][1] and chains[0][2] != chains[1][2]
     assert not set(chains[0]) & set(chains[2])
     assert all(len(block_hash) == 16 for block_hash in chains[0])
+
+
+# The real model against transformers, its prefixes from the cache
+
+
+@pytest.mark.slow
+def test_greedy_tokens_with_prefixes_from_the_cache_equal_transformers():
+    """The transformers-oracle chat prompts (tests/test_engine.py) on SmolLM2: each run once, then
+    again (all its blocks but the last from the cache), then a second turn over the first's history
+    (the history from the cache): 24 greedy tokens each, identical to transformers' on the whole
+    prompt. Tolerance: the tokens exactly; a cached prefix changes only how the prefill is chunked
+    (the same float32 ops on the same positions, in other matmul shapes), which moves logits by
+    about 1e-4, as batch composition does (tests/test_engine.py LOGITS_ATOL)."""
+    from services.worker.engine import Engine
+    from shared.config import Settings
+    from shared.model_file import locate_gguf
+    from shared.tokenizer import Tokenizer
+    from tests.test_engine import CHAT_PROMPTS
+
+    transformers = import_or_skip("transformers")
+    torch.set_num_threads(2)
+    path = locate_gguf()
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    tokenizer = Tokenizer.load()
+    engine = Engine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="float32"))
+    cluster = Cluster({"w": engine}, max_batch_tokens=512)
+
+    def expected(prompt: list[int]) -> list[int]:
+        with torch.inference_mode():
+            return oracle.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+
+    for index, messages in enumerate(CHAT_PROMPTS):
+        prompt = tokenizer.encode_chat(messages)
+        for run in ("first", "again"):
+            cluster.add(f"{index}-{run}", prompt, max_tokens=24)
+            cluster.drain()
+        assert cluster.states[f"{index}-again"].cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+        first = cluster.output(f"{index}-first")
+        assert first == cluster.output(f"{index}-again") == expected(prompt)
+        history = messages + [{"role": "assistant", "content": tokenizer.decode(first)},
+                              {"role": "user", "content": "Say it again in other words."}]
+        second = tokenizer.encode_chat(history)
+        cluster.add(f"{index}-turn2", second, max_tokens=24)
+        cluster.drain()
+        assert cluster.states[f"{index}-turn2"].cached_tokens >= len(prompt) // 16 * 16
+        assert cluster.output(f"{index}-turn2") == expected(second), f"turn 2 of prompt {index}"
+    cluster.assert_nothing_held()

@@ -116,40 +116,6 @@ class RequestRows:
                     self._free_kv(row)
                 self.kv_cache.adopt(row, list(new.cached_blocks))
 
-    def free(self, request_id: str) -> None:
-        """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
-        self._refused.pop(request_id, None)
-        row = self._row_of.pop(request_id, None)
-        if row is None:
-            return
-        self._free_kv(row)
-        self._request_of[row] = self._params[row] = None
-        self._last_output_index[row] = -1
-        self._row_freed(row)
-        self._free_rows.append(row)
-
-    def _row_freed(self, row: int) -> None:
-        """A row was given up."""
-
-    def apply_cache_commands(self, register: Sequence[tuple[str, int, bytes]], evict: Sequence[bytes] = (),
-                             free: Sequence[str] = (), adopt: Sequence[tuple[str, Sequence[bytes]]] = ()) -> None:
-        """A plan's prefix-cache commands and frees, in its order (register, free, evict, adopt);
-        raises CacheMismatch for one that does not fit this cache (the caller then resets)."""
-        for request_id, index, block_hash in register:
-            row = self._row_of.get(request_id)
-            if row is None:
-                raise CacheMismatch(f"a block registered for request {request_id!r}, which holds no row")
-            self.kv_cache.register(row, index, block_hash)
-        for request_id in free:
-            self.free(request_id)
-        self.kv_cache.evict(list(evict))
-        for request_id, hashes in adopt:
-            row = self._row_of.get(request_id)
-            if row is not None and hashes:  # (a request refused a row has its items refused too)
-                if self.kv_cache.blocks_held[row]:
-                    self._free_kv(row)
-                self.kv_cache.adopt(row, list(hashes))
-
     def reset(self) -> None:
         for request_id in list(self._row_of):
             self.free(request_id)
