@@ -231,18 +231,25 @@ class PlanReader:
 
     def __init__(self) -> None:
         self.epoch = ""
+        self.last_plan_id = 0  # of this epoch: plan ids only grow within a scheduler's run
         self._request_of: dict[int, str] = {}
         self._handle_of: dict[str, int] = {}
 
-    def decode(self, data: bytes, kv_length, worker_id: str) -> DecodedPlan:
+    def decode(self, data: bytes, kv_length, worker_id: str) -> DecodedPlan | None:
         """kv_length(request_id): the worker's own KV length of a request, a decode item's start
         position (the item feeds the token the worker sampled last; the engine checks its index).
-        A plan for another worker is refused before it changes anything."""
+        A plan for another worker is refused before it changes anything. A plan read before (the
+        scheduler's Redis client resends a pipeline that failed half-way: its plans come twice) is
+        None, before it changes anything: run twice, it would free handles since given to others
+        and repeat prefix-cache commands."""
         kind = "BatchPlan"
         raw = _unpack(kind, data)
         if _field(raw, kind, "w", str) != worker_id:
             raise WireError(f"{kind}: addressed to {raw['w']!r}, not to this worker")
         epoch, free_all = _field(raw, kind, "e", str), _field(raw, kind, "a", bool)
+        plan_id = _field(raw, kind, "p", int)
+        if epoch == self.epoch and plan_id <= self.last_plan_id:
+            return None
         if epoch != self.epoch or free_all:
             self.epoch = epoch
             self._request_of.clear()
@@ -311,7 +318,8 @@ class PlanReader:
             items.append(StepItem(request_id=request_id, token_ids=tuple(token_list[begin : ends[index]]),
                                   start_position=start, sample=bool(sample), output_index=output_index))
             item_handles.append(handle)
-        plan = BatchPlan(scheduler_epoch=epoch, plan_id=_field(raw, kind, "p", int), worker_id=_field(raw, kind, "w", str),
+        self.last_plan_id = plan_id
+        plan = BatchPlan(scheduler_epoch=epoch, plan_id=plan_id, worker_id=_field(raw, kind, "w", str),
                          new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all,
                          register_blocks=tuple(registered), evict_blocks=_hashes(raw.get("ev", b""), kind, "ev"))
         return DecodedPlan(plan, item_handles, unknown)

@@ -172,3 +172,32 @@ def test_plans_of_64_decoding_requests_and_their_results_fit_in_one_and_a_half_k
     assert len(decoded.plan.items) == 64
     assert len(plan_bytes) + len(result_bytes) <= 1536, (len(plan_bytes), len(result_bytes))
     assert msgpack.unpackb(plan_bytes)["f"] == PLAN_FORMAT
+
+
+def test_a_plan_read_twice_is_run_once_and_changes_nothing_the_second_time():
+    """A pipeline the scheduler's Redis client resent after a failed connection writes its plans
+    twice (P1, P2, P1, P2): the copies change no handle (P2 gave P1's freed handle to another
+    request) and are not run."""
+    codec, reader = PlanCodec(), PlanReader()
+    sampling = SamplingParams()
+    first = codec.encode(BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w1",
+                                   new_requests=(NewRequest(request_id="cmpl-a", sampling=sampling),),
+                                   items=(StepItem(request_id="cmpl-a", token_ids=(5,), start_position=0,
+                                                   sample=True, output_index=0),)))
+    second = codec.encode(BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w1", free_request_ids=("cmpl-a",),
+                                    new_requests=(NewRequest(request_id="cmpl-b", sampling=sampling),),
+                                    items=(StepItem(request_id="cmpl-b", token_ids=(7,), start_position=0,
+                                                    sample=True, output_index=0),)))
+    assert reader.decode(first, lambda request_id: 0, "w1") is not None
+    decoded = reader.decode(second, lambda request_id: 0, "w1")
+    assert reader.decode(first, lambda request_id: 0, "w1") is None
+    assert reader.decode(second, lambda request_id: 0, "w1") is None
+    third = codec.encode(BatchPlan(scheduler_epoch="e", plan_id=3, worker_id="w1",
+                                   items=(StepItem(request_id="cmpl-b", token_ids=(), feeds_sampled=True,
+                                                   start_position=1, sample=True, output_index=1),)))
+    again = reader.decode(third, lambda request_id: 1, "w1")
+    assert [item.request_id for item in again.plan.items] == ["cmpl-b"] and not again.unknown
+    assert again.item_handles == decoded.item_handles
+    # A new scheduler's plans start again from its own ids.
+    fresh = codec.encode(BatchPlan(scheduler_epoch="f", plan_id=1, worker_id="w1"))
+    assert reader.decode(fresh, lambda request_id: 0, "w1") is not None

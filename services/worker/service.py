@@ -223,8 +223,10 @@ class Worker:
 
         async def writes() -> None:
             await heartbeat  # it stops at its next wait; a beat after the delete would re-register
-            await self.redis.delete(keys.worker_heartbeat(self.worker_id))
+            # Out of the set first: a scheduler polling between the two writes then sees a worker
+            # that left (worker_gone), not one registered without a heartbeat (worker_dead).
             await self.redis.srem(self.keys.workers, self.worker_id)
+            await self.redis.delete(keys.worker_heartbeat(self.worker_id))
 
         task = asyncio.create_task(writes())
         done, _ = await asyncio.wait({task}, timeout=EXIT_WRITE_SECONDS)
@@ -241,6 +243,9 @@ class Worker:
             decoded = self.reader.decode(fields.get(b"m", b""), self.engine.kv_length, self.worker_id)
         except WireError as error:
             log.warning("event=bad_plan worker=%s error=%s", self.worker_id, error)
+            return
+        if decoded is None:  # run already: its result is out (or lost with the Redis that lost it)
+            log.warning("event=duplicate_plan worker=%s entry=%s", self.worker_id, entry_id)
             return
         plan = decoded.plan
         try:
