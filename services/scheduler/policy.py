@@ -403,8 +403,10 @@ class SchedulerPolicy:
             if error is not None:
                 self._on_item_error(worker, state, error.code, error.message)
                 continue
-            if self.prefix_caching:
-                self._register_blocks(worker, state, item)
+            if self.prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
+                end = item.start_position + (len(item.token_ids) or 1)  # (a fed-back token: one)
+                if end // worker.kv_block_size > len(state.held_hashes):
+                    self._register_blocks(worker, state, end)
             if not item.sample:
                 continue
             token = sampled.get(item.request_id)
@@ -689,14 +691,12 @@ class SchedulerPolicy:
         state.held_hashes, state.shared_blocks, state.adopted_blocks = [], 0, 0
         state.placement += 1
 
-    def _register_blocks(self, worker: WorkerState, state: RequestState, item: StepItem) -> None:
-        """A result confirmed the item's KV written: the request's blocks it filled enter the
-        worker's cache (a block whose contents another block holds already stays the request's)."""
+    def _register_blocks(self, worker: WorkerState, state: RequestState, end: int) -> None:
+        """A result confirmed the request's KV written up to token `end` (all known): its blocks
+        filled by then enter the worker's cache (a block whose contents another block holds already
+        stays the request's)."""
         block_size = worker.kv_block_size
-        end = item.start_position + (1 if item.feeds_sampled else len(item.token_ids))
-        full = min(end, state.total_tokens) // block_size
-        if full <= len(state.held_hashes):
-            return
+        full = end // block_size
         extend_chain(state.block_chain, self._root_hash, state.tokens, block_size, full)
         for index in range(len(state.held_hashes), full):
             block_hash = state.block_chain[index]
