@@ -123,8 +123,8 @@ def main() -> None:
         "system_prompt_ttft_uncached_over_cached": ratio(runs["system_prompt_uncached"]["ttft_p50_ms"],
                                                          runs["system_prompt_cached"]["ttft_p50_ms"]),
     }
-    report = {"command": " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]]), "seconds": round(time.time() - started),
-              "placement_slack": SLACK, "ratios": ratios, "runs": runs}
+    report = {"command": " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]]),
+              "seconds": round(time.time() - started), "placement_slack": SLACK, "ratios": ratios, "runs": runs}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prefix_cache.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Prefix caching and cache-aware placement", "", f"`.venv/bin/python {report['command']}` "

@@ -91,8 +91,8 @@ class Worker:
         return WorkerInfo(
             worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), device=self.device,
             kv_block_size=kv.block_size, kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free,
-            kv_blocks_cached=kv.blocks_cached, running=self.engine.running, draining=self.draining, started_at=self.started_at,
-            heartbeat_at=time.time(), executor=self.engine.executor,
+            kv_blocks_cached=kv.blocks_cached, running=self.engine.running, draining=self.draining,
+            started_at=self.started_at, heartbeat_at=time.time(), executor=self.engine.executor,
             hardware=self.engine.profile.name if self.engine.executor == "emulated" else "",
             busy_seconds=self.busy_seconds, model=self.model_name, weights_sha256=self.weights_sha256,
             kv_bytes_per_token=getattr(self.engine, "kv_bytes_per_token", 0),
