@@ -79,6 +79,12 @@ def tiny_random_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dic
             f"blk.{i}.ffn_up.weight": randn(config.ffn_size, config.hidden_size),
             f"blk.{i}.ffn_down.weight": randn(config.hidden_size, config.ffn_size),
         }
+        if config.qkv_bias:  # Qwen2
+            weights |= {f"blk.{i}.attn_q.bias": randn(q_rows), f"blk.{i}.attn_k.bias": randn(kv_rows),
+                        f"blk.{i}.attn_v.bias": randn(kv_rows)}
+        if config.qk_norm:  # Qwen3
+            weights |= {f"blk.{i}.attn_q_norm.weight": 1 + randn(config.head_dim) * 0.1,
+                        f"blk.{i}.attn_k_norm.weight": 1 + randn(config.head_dim) * 0.1}
     return weights
 
 
