@@ -163,7 +163,7 @@ def run_up(settings: Settings) -> int:
         log.error("event=redis_refused %s", problem)
         return 2
     models = served_models(settings)
-    threads = settings.threads or threads_per_worker(settings.workers * len(models))
+    threads = settings.threads or threads_per_worker(settings.workers * len(models) * settings.tensor_parallel)
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
     children = []

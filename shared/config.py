@@ -49,6 +49,9 @@ class Settings(BaseModel):
     placement_slack: int = Field(8, ge=0)
     # Workers
     workers: int = Field(1, ge=0)  # `iterserve up` only
+    # Ranks per worker, each holding 1/N of every layer (services/worker/group.py): a worker group
+    # the scheduler sees as one worker with the group's KV capacity.
+    tensor_parallel: int = Field(1, ge=1, le=64)
     kv_blocks: int = Field(2048, ge=1)  # KV blocks per worker
     # When > 0, size the KV pool as this fraction of the device's free memory instead of kv_blocks.
     kv_memory_fraction: float = Field(0.0, ge=0.0, lt=1.0)

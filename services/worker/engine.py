@@ -105,8 +105,14 @@ class Engine(RequestRows):
         # The decode workspace (a second, contiguous copy of the decoding requests' KV) pays on the
         # CPU, where gathering from the pool is slow; on CUDA it would commit gigabytes: the pool only.
         workspace_tokens = settings.decode_workspace_tokens if device.type == "cpu" else 0
-        model = Llama(metadata.config, load_weights(metadata), device, dtype, compile=settings.compile)
-        engine = cls(model, cls.kv_cache_for(metadata.config, settings, device, dtype, scratch_block=graphs),
+        if settings.tensor_parallel > 1:  # one rank of a worker group (services/worker/group.py)
+            from services.worker.tensor_parallel import TensorParallelLlama
+
+            model = TensorParallelLlama(metadata.config, load_weights(metadata), device, dtype)
+        else:
+            model = Llama(metadata.config, load_weights(metadata), device, dtype, compile=settings.compile)
+        # model.config: this rank's heads when tensor parallel, so its KV pool holds its KV heads only
+        engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
         log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d compile=%s cuda_graphs=%s seconds=%.2f",
                  metadata.name, device, dtype, engine.kv_cache.blocks_total, settings.compile, graphs,
@@ -120,13 +126,29 @@ class Engine(RequestRows):
         return 2 * config.n_layers * config.n_kv_heads * config.head_dim * cache.keys[0].element_size()
 
     @staticmethod
-    def kv_cache_for(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype,
+    def kv_blocks_in(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype) -> int:
+        """The pool's blocks: kv_blocks, or kv_memory_fraction of the device's free memory."""
+        if settings.kv_memory_fraction <= 0:
+            return settings.kv_blocks
+        bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
+                           * torch.finfo(dtype).bits // 8)
+        return max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
+
+    @classmethod
+    def blocks_for_settings(cls, settings: "Settings", tensor_parallel: int = 1) -> int:
+        """kv_blocks_in for a model file, before it is loaded (one rank's KV heads when split)."""
+        from services.worker.tensor_parallel import local_config
+        from shared.model_file import load_metadata
+
+        metadata = load_metadata(settings.model)
+        device = pick_device(settings.device)
+        config = local_config(metadata.config, tensor_parallel) if tensor_parallel > 1 else metadata.config
+        return cls.kv_blocks_in(config, settings, device, pick_dtype(settings.dtype, device, metadata.stored_dtype))
+
+    @classmethod
+    def kv_cache_for(cls, config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype,
                      scratch_block: bool = False) -> PagedKVCache:
-        blocks = settings.kv_blocks
-        if settings.kv_memory_fraction > 0:
-            bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
-                               * torch.finfo(dtype).bits // 8)
-            blocks = max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
+        blocks = cls.kv_blocks_in(config, settings, device, dtype)
         return PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, blocks, settings.kv_block_size,
                             device, dtype, max_rows=settings.max_batch_size,
                             max_blocks_per_row=-(-config.context_length // settings.kv_block_size),
