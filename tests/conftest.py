@@ -22,3 +22,19 @@ async def redis_client(redis_url):
     await client.flushdb()
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def engine_alone():
+    """The oracle of the system tests: the packaged model's engine in this process, one request at a time."""
+    from tests.engine_helpers import smollm2_engine_alone
+
+    return smollm2_engine_alone()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The packaged model's tokenizer (modules with another model define their own)."""
+    from shared.tokenizer import Tokenizer
+
+    return Tokenizer.load()

@@ -22,20 +22,6 @@ SYSTEM_PROMPT = ("You are a careful assistant for a school library. You answer q
                  "and science in two or three plain sentences, and you give one concrete example every time.")
 
 
-@pytest.fixture(scope="module")
-def engine_alone():
-    from tests.engine_helpers import smollm2_engine_alone
-
-    return smollm2_engine_alone()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from shared.tokenizer import Tokenizer
-
-    return Tokenizer.load()
-
-
 def greedy_alone(engine, tokenizer, prompt_ids: list[int], max_tokens: int, stop: bool = True) -> str:
     from tests.engine_helpers import generate_alone
 

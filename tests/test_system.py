@@ -31,21 +31,6 @@ def client(system):
     return openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def engine_alone():
-    """The oracle for the system: the same engine, in this process, one request at a time."""
-    from tests.engine_helpers import smollm2_engine_alone
-
-    return smollm2_engine_alone()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from shared.tokenizer import Tokenizer
-
-    return Tokenizer.load()
-
-
 def engine_greedy_text(engine, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
     from tests.engine_helpers import generate_alone
 

@@ -24,20 +24,6 @@ PROMPTS = ["Once upon a time, in a small village by the sea,", "The three primar
            "Q: Why do cats purr?\nA:", "Here is a short poem about winter mornings:\n"]
 
 
-@pytest.fixture(scope="module")
-def engine_alone():
-    from tests.engine_helpers import smollm2_engine_alone
-
-    return smollm2_engine_alone()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from shared.tokenizer import Tokenizer
-
-    return Tokenizer.load()
-
-
 def expected_text(engine, tokenizer, prompt: str, max_tokens: int) -> str:
     from tests.engine_helpers import generate_alone
 

@@ -113,32 +113,53 @@ class EngineGroup:
     def _send(self, *command: Any) -> None:
         dist.broadcast_object_list([command], src=0, group=self.channel)
 
+    def _together(self, name: str, *arguments: Any) -> Any:
+        """The command on every rank; a collective that fails because a rank died says so."""
+        try:
+            self._send(name, *arguments)
+            return getattr(self.engine, name)(*arguments)
+        except Exception:
+            self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
+            raise
+
     def reset(self) -> None:
-        self._send("reset")
-        self.engine.reset()
+        self._together("reset")
 
     def take_plan(self, plan) -> None:
-        self._send("take_plan", plan)
-        self.engine.take_plan(plan)
+        self._together("take_plan", plan)
 
     def step(self, items, return_logits: bool = False):
         self._send("step", items)
-        return self.engine.step(items, return_logits)
+        try:
+            return self.engine.step(items, return_logits)
+        except Exception:
+            self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
+            raise
 
     def free(self, request_id: str) -> None:
-        self._send("free", request_id)
-        self.engine.free(request_id)
+        self._together("free", request_id)
 
-    def _watch(self) -> None:
+    def _stop_if_a_rank_died(self, within: float = 0.0) -> None:
         """Any rank gone is the group gone: exit at once, as a killed worker (the scheduler moves its
-        requests when its heartbeat stops; the other ranks die with this process)."""
+        requests when its heartbeat stops; the other ranks die with this process). `within`: how
+        long a rank that is dying may take to be seen gone (a collective fails as its peer closes)."""
+        deadline = time.monotonic() + within
         while True:
             for rank, follower in enumerate(self.followers, start=1):
                 if not follower.is_alive():
+                    from services.worker.service import ENGINE_BROKEN_EXIT_CODE
+
                     log.error("event=group_rank_died rank=%d exitcode=%s: the worker group stops", rank,
                               follower.exitcode)
                     logging.shutdown()
-                    os._exit(3)  # services.worker.service.ENGINE_BROKEN_EXIT_CODE
+                    os._exit(ENGINE_BROKEN_EXIT_CODE)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(MONITOR_SECONDS / 4)
+
+    def _watch(self) -> None:
+        while True:
+            self._stop_if_a_rank_died()
             time.sleep(MONITOR_SECONDS)
 
 
