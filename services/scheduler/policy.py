@@ -571,7 +571,7 @@ class SchedulerPolicy:
         self._dequeue(state)
         hashes = state.block_chain[:cached]
         worker.cache.acquire(hashes)
-        state.held_hashes, state.shared_blocks, state.adopted_blocks = list(hashes), cached, cached
+        state.held_hashes, state.adopted_blocks = list(hashes), cached
         cached_tokens = cached * worker.kv_block_size
         self.prefix_cache_queried_tokens += state.total_tokens
         self.prefix_cache_hit_tokens += cached_tokens
@@ -678,7 +678,8 @@ class SchedulerPolicy:
         """Take a request off its worker: the worker frees its KV with its next plan."""
         worker = self._workers.get(state.worker_id) if state.worker_id else None
         if worker is not None and worker.running.pop(state.request_id, None) is not None:
-            worker.kv_blocks_reserved -= state.kv_blocks - state.shared_blocks
+            shared = sum(block_hash is not None for block_hash in state.held_hashes)
+            worker.kv_blocks_reserved -= state.kv_blocks - shared
             # Its registered blocks stay cached (one registered and freed before its next plan: that
             # plan registers, then frees, in this order), the last first: of an idle prefix the tail
             # goes before the head, which more requests share (vLLM frees in the same order).
@@ -688,7 +689,7 @@ class SchedulerPolicy:
             worker.known.discard(state.request_id)
             worker.to_free.setdefault(state.request_id)
         state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples = None, 0, 0, 0
-        state.held_hashes, state.shared_blocks, state.adopted_blocks = [], 0, 0
+        state.held_hashes, state.adopted_blocks = [], 0
         state.placement += 1
 
     def _register_blocks(self, worker: WorkerState, state: RequestState, end: int) -> None:
@@ -702,7 +703,6 @@ class SchedulerPolicy:
             block_hash = state.block_chain[index]
             if worker.cache.add(block_hash):
                 state.held_hashes.append(block_hash)
-                state.shared_blocks += 1
                 worker.kv_blocks_reserved -= 1  # its own block is now the cache's, held by it
                 worker.to_register.append((state.request_id, index, block_hash))
             else:

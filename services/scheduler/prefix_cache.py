@@ -21,7 +21,9 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-HASH_BYTES = 16  # 128 bits: a collision would hand one prompt another's KV
+import numpy as np
+
+from shared.plans import HASH_BYTES  # 128 bits: a collision would hand one prompt another's KV
 
 
 def root_hash(salt: str) -> bytes:
@@ -35,7 +37,7 @@ def extend_chain(chain: list[bytes], root: bytes, tokens: Callable[[int, int], S
     for index in range(len(chain), blocks):
         parent = chain[index - 1] if index else root
         block = tokens(index * block_size, (index + 1) * block_size)
-        data = b"".join(token.to_bytes(4, "little") for token in block)
+        data = np.asarray(block, dtype="<i4").tobytes()
         chain.append(hashlib.blake2b(parent + data, digest_size=HASH_BYTES).digest())
 
 

@@ -28,7 +28,6 @@ class RequestState:
     # cache (None: its own); the first `adopted_blocks` came from the cache when it was admitted.
     block_chain: list[bytes] = field(default_factory=list)
     held_hashes: list[bytes | None] = field(default_factory=list)
-    shared_blocks: int = 0  # entries of held_hashes that are not None
     adopted_blocks: int = 0
     cached_tokens: int | None = None  # prompt tokens found cached when it was first admitted (usage)
     status: Phase = "waiting"

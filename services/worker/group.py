@@ -64,7 +64,8 @@ def _join(rank: int, world: int, address: str, device: str) -> "dist.ProcessGrou
 
 
 def _follower(rank: int, world: int, address: str, settings_json: str) -> None:
-    """Ranks 1..N-1: load the shard, then do what rank 0 did, command by command, until told to stop."""
+    """Ranks 1..N-1: load the shard, then do what rank 0 did, command by command, for as long as rank 0
+    lives (they die with it)."""
     from services.worker.engine import Engine
     from services.worker.kv_cache import CacheMismatch
     from shared.config import Settings
@@ -82,13 +83,10 @@ def _follower(rank: int, world: int, address: str, settings_json: str) -> None:
     while True:
         dist.broadcast_object_list(box, src=0, group=channel)
         name, *arguments = box[0]
-        if name == "stop":
-            break
         try:
             getattr(engine, name)(*arguments)
         except CacheMismatch:
             pass  # rank 0 meets the same refusal and resets: its next command says so
-    dist.destroy_process_group()
 
 
 class EngineGroup:

@@ -100,7 +100,11 @@ class BlockTables:
         """Let go of a row's blocks (harmless for a row that holds none): its own return to the pool,
         registered ones lose a reference and stay cached."""
         held = int(self.blocks_held[row])
-        for block in (self.block_tables[row, held - 1 :: -1].tolist() if held else ()):
+        blocks = self.block_tables[row, held - 1 :: -1].tolist() if held else []
+        if not self._hash_of_block:  # no prefix cache (off, or empty): every block is the row's own
+            self._free_blocks.extend(blocks)
+            blocks = []
+        for block in blocks:
             if block in self._hash_of_block:
                 self._references[block] -= 1
                 self._blocks_idle += int(self._references[block] == 0)

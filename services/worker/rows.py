@@ -112,8 +112,6 @@ class RequestRows:
             self.add_request(new.request_id, new.sampling)
             row = self._row_of.get(new.request_id)
             if row is not None and new.cached_blocks:  # (a request refused a row has its items refused)
-                if self.kv_cache.blocks_held[row]:
-                    self._free_kv(row)
                 self.kv_cache.adopt(row, list(new.cached_blocks))
 
     def reset(self) -> None:
