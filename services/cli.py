@@ -43,6 +43,7 @@ SERVICE_OPTIONS = {
     "--kv-block-size": ("kv_block_size", int, "tokens per KV block (default 16)"),
     "--workers": ("workers", int, "workers started by `up` (default 1)"),
     "--tensor-parallel": ("tensor_parallel", int, "ranks per worker, each holding 1/N of every layer (default 1)"),
+    "--pipeline-parallel": ("pipeline_parallel", int, "stages per worker, each holding 1/M of the layers (default 1)"),
     "--threads": ("threads", int, "torch threads per worker (default: cores / workers)"),
     "--device": ("device", str, "auto, cpu, cuda, cuda:1 ... (default auto)"),
     "--dtype": ("dtype", str, "auto, float32, bfloat16, float16 (default: bf16 on CUDA, f32 on CPU)"),

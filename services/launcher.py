@@ -128,10 +128,12 @@ def visible_gpus() -> list[str]:
 
 def worker_gpu_env(settings: Settings, worker_index: int, gpus: list[str]) -> dict[str, str]:
     """Worker i on GPU i (round-robin when there are more workers than GPUs): each sees one device,
-    as cuda:0. Nothing changes with one GPU or none, or when --device names a device itself."""
+    as cuda:0; a worker group of N ranks sees the next N GPUs, rank r on its r-th. Nothing changes
+    with one GPU or none, or when --device names a device itself."""
     if settings.device not in ("auto", "cuda") or len(gpus) < 2:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": gpus[worker_index % len(gpus)]}
+    size = settings.group_size
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(worker_index * size + rank) % len(gpus)] for rank in range(size))}
 
 
 def data_directory() -> Path:
@@ -163,7 +165,7 @@ def run_up(settings: Settings) -> int:
         log.error("event=redis_refused %s", problem)
         return 2
     models = served_models(settings)
-    threads = settings.threads or threads_per_worker(settings.workers * len(models) * settings.tensor_parallel)
+    threads = settings.threads or threads_per_worker(settings.workers * len(models) * settings.group_size)
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
     children = []

@@ -49,9 +49,11 @@ class Settings(BaseModel):
     placement_slack: int = Field(8, ge=0)
     # Workers
     workers: int = Field(1, ge=0)  # `iterserve up` only
-    # Ranks per worker, each holding 1/N of every layer (services/worker/group.py): a worker group
-    # the scheduler sees as one worker with the group's KV capacity.
+    # A worker group (services/worker/group.py) of tensor_parallel x pipeline_parallel ranks: each
+    # stage holds a run of layers, each of its ranks 1/tensor_parallel of every one of them; the
+    # scheduler sees one worker with the group's KV capacity.
     tensor_parallel: int = Field(1, ge=1, le=64)
+    pipeline_parallel: int = Field(1, ge=1, le=64)
     kv_blocks: int = Field(2048, ge=1)  # KV blocks per worker
     # When > 0, size the KV pool as this fraction of the device's free memory instead of kv_blocks.
     kv_memory_fraction: float = Field(0.0, ge=0.0, lt=1.0)
@@ -105,6 +107,11 @@ class Settings(BaseModel):
     max_stop_strings: int = Field(4, ge=0)
     max_stop_length: int = Field(256, ge=1)  # characters of one stop string
     log_level: str = "INFO"
+
+    @property
+    def group_size(self) -> int:
+        """Processes (ranks) per worker."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     @staticmethod
     def variable(name: str) -> str:

@@ -42,8 +42,9 @@ def test_readme_opens_with_exactly_the_two_setup_commands_that_exist():
 
 
 def test_up_puts_worker_i_on_gpu_i_when_there_are_several(monkeypatch):
-    """`iterserve up --workers N` on a machine with several GPUs: each worker sees one GPU (round-robin);
-    with one GPU or none, or a device named by --device, nothing is assigned."""
+    """`iterserve up --workers N` on a machine with several GPUs: each worker sees one GPU (round-robin),
+    a worker group one per rank; with one GPU or none, or a device named by --device, nothing is
+    assigned."""
     from services.launcher import visible_gpus, worker_gpu_env
     from shared.config import Settings
 
@@ -57,5 +58,9 @@ def test_up_puts_worker_i_on_gpu_i_when_there_are_several(monkeypatch):
     assert worker_gpu_env(Settings(device="cpu"), 1, gpus) == {}
     assert worker_gpu_env(Settings(device="cuda:2"), 1, gpus) == {}
     assert worker_gpu_env(Settings(), 1, ["0"]) == {}
+    # A worker group of N ranks: the next N GPUs, rank r on its r-th.
+    group = Settings(tensor_parallel=2)
+    assert [worker_gpu_env(group, index, ["0", "1", "2", "3"]) for index in range(2)] == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == []

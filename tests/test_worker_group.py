@@ -1,10 +1,13 @@
-"""Tensor-parallel worker groups through the whole system (services/worker/group.py).
+"""Worker groups through the whole system (services/worker/group.py).
 
 SmolLM2-135M has 9 attention heads and 3 KV heads, so it splits 3 ways (one KV head per rank);
-`--tensor-parallel 2` is refused at start with the reason. A group answers what the
-single-process engine answers; the death of one of its ranks is the death of its worker, and the
-requests it ran finish on another worker, token-exact."""
+`--tensor-parallel 2` is refused at start with the reason; its 30 layers split into 2 stages.
+A group answers what the single-process engine answers, also while some of its requests are
+cancelled; the death of one of its ranks is the death of its worker, and the requests it ran
+finish on another worker, token-exact. Tensor x pipeline (2 x 2) runs on a tiny Llama checkpoint
+with 4 heads, against transformers."""
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -15,8 +18,12 @@ import urllib.request
 
 import psutil
 import pytest
+import torch
 
+from tests.checkpoints import save_checkpoint, transformers_model
 from tests.cluster import Cluster
+from tests.requirements import import_or_skip
+from tests.test_chaos import Output, Spec, session, stream_request, until, until_kv_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 MODEL = "smollm2-135m-instruct"
@@ -30,12 +37,16 @@ def expected_text(engine, tokenizer, prompt: str, max_tokens: int) -> str:
     return tokenizer.decode(generate_alone(engine, "oracle", tokenizer.encode_prompt(prompt), max_tokens))
 
 
-def complete(base_url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+def post(base_url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"{base_url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=240) as response:
         return json.loads(response.read())
+
+
+def complete(base_url: str, prompt: str, max_tokens: int) -> dict:
+    return post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0, "ignore_eos": True})
 
 
 def ranks_of(worker: psutil.Process) -> list[psutil.Process]:
@@ -56,7 +67,7 @@ def test_a_tensor_parallel_group_answers_as_one_engine_and_its_rank_dying_moves_
         cluster.start("gateway")
         cluster.wait_ready(1)
         [worker] = status(cluster)["workers"]
-        assert worker["device"] == "cpu x3 (tensor parallel)" and worker["kv_blocks_total"] == 256
+        assert worker["device"] == "cpu x3 (tensor parallel 3)" and worker["kv_blocks_total"] == 256
         assert len(ranks_of(psutil.Process(group.process.pid))) == 2
 
         # The group alone serves a batch of requests: what the single-process engine answers.
@@ -65,25 +76,8 @@ def test_a_tensor_parallel_group_answers_as_one_engine_and_its_rank_dying_moves_
             answers = list(pool.map(lambda prompt: complete(cluster.base_url, prompt, 40), PROMPTS))
         assert [answer["choices"][0]["text"] for answer in answers] == [expected[prompt] for prompt in PROMPTS]
 
-        # Requests running on the group, a single-process worker joins, one of the group's ranks dies:
-        # the group's worker exits and its requests finish on the other worker, token-exact.
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(complete, cluster.base_url, prompt, 60) for prompt in PROMPTS]
-            deadline = time.monotonic() + 60
-            while not any(w["running"] == len(PROMPTS) for w in status(cluster)["workers"]):
-                assert time.monotonic() < deadline, "the group never ran the requests"
-                time.sleep(0.1)
-            single = cluster.start_worker()
-            cluster.wait_ready(2)
-            ranks_of(psutil.Process(group.process.pid))[0].kill()
-            answers = [future.result(timeout=240) for future in futures]
         expected = {prompt: expected_text(engine_alone, tokenizer, prompt, 60) for prompt in PROMPTS}
-        assert [answer["choices"][0]["text"] for answer in answers] == [expected[prompt] for prompt in PROMPTS]
-        assert group.process.wait(timeout=30) == 3, "the group's worker did not stop with its rank"
-        assert "event=group_rank_died" in cluster.log(group.name)
-        moved = [line for _, line in cluster.log_events("scheduler", "admitted request_id=")
-                 if f"worker_id={single.worker_id}" in line and "output_tokens=0" not in line]
-        assert moved, "no request was rebuilt on the other worker after the rank died"
+        kill_a_rank_while_it_runs(cluster, group, PROMPTS, 60, expected)
 
 
 def test_a_split_that_does_not_fall_on_whole_heads_is_refused_at_start():
@@ -92,3 +86,100 @@ def test_a_split_that_does_not_fall_on_whole_heads_is_refused_at_start():
                                stdin=subprocess.DEVNULL)
     assert completed.returncode != 0
     assert "tensor parallel size 2 does not divide 9 attention heads, 3 KV heads" in completed.stderr
+
+
+def kill_a_rank_while_it_runs(cluster: Cluster, group, prompts: list[str], max_tokens: int, expected: dict) -> None:
+    """Requests running on the group, a single-process worker joins, one of the group's ranks dies:
+    the group's worker exits and its requests finish on the other worker, token-exact."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, cluster.base_url, prompt, max_tokens) for prompt in prompts]
+        deadline = time.monotonic() + 60
+        while not any(w["running"] == len(prompts) for w in status(cluster)["workers"]):
+            assert time.monotonic() < deadline, "the group never ran the requests"
+            time.sleep(0.1)
+        single = cluster.start_worker()
+        cluster.wait_ready(2)
+        ranks_of(psutil.Process(group.process.pid))[-1].kill()
+        answers = [future.result(timeout=240) for future in futures]
+    assert [answer["choices"][0]["text"] for answer in answers] == [expected[prompt] for prompt in prompts]
+    assert group.process.wait(timeout=30) == 3, "the group's worker did not stop with its rank"
+    assert "event=group_rank_died" in cluster.log(group.name)
+    moved = [line for _, line in cluster.log_events("scheduler", "admitted request_id=")
+             if f"worker_id={single.worker_id}" in line and "output_tokens=0" not in line]
+    assert moved, "no request was rebuilt on the other worker after the rank died"
+
+
+async def cancel_half(cluster: Cluster, prompts: list[str], max_tokens: int) -> dict[str, Output]:
+    """Every prompt streamed; every other one cancelled by DELETE once it has a few tokens."""
+    outputs = {prompt: Output() for prompt in prompts}
+    async with session() as http:
+        clients = [asyncio.create_task(stream_request(http, cluster, Spec(f"r{index}", prompt, max_tokens, seed=index,
+                                                                          ignore_eos=True), outputs[prompt]))
+                   for index, prompt in enumerate(prompts)]
+        for prompt in prompts[::2]:
+            await until(lambda: len(outputs[prompt].pieces) >= 3, "a request's first tokens", 120)
+            async with http.delete(f"{cluster.base_url}/v1/requests/{outputs[prompt].request_id}") as response:
+                assert response.status == 200
+        await asyncio.wait_for(asyncio.gather(*clients), 240)
+        await until_kv_all_free(cluster, timeout=30)
+    return outputs
+
+
+def test_a_pipeline_parallel_group_answers_as_one_engine_through_cancellations_and_a_rank_dying(engine_alone,
+                                                                                                tokenizer):
+    prompts = PROMPTS + ["The capital of France is", "A recipe for pancakes:\n1."]
+    with contextlib.closing(Cluster(workers=0)) as cluster:
+        cluster.redis.start()
+        cluster.start("scheduler")
+        group = cluster.start_worker(ITERSERVE_PIPELINE_PARALLEL="2")
+        cluster.start("gateway")
+        cluster.wait_ready(1)
+        [worker] = status(cluster)["workers"]
+        assert worker["device"] == "cpu x2 (pipeline parallel 2)" and worker["kv_blocks_total"] == 256
+        assert len(ranks_of(psutil.Process(group.process.pid))) == 1
+
+        # Half the requests cancelled mid-run: the others answer exactly, every KV block comes back.
+        outputs = asyncio.run(cancel_half(cluster, prompts, 48))
+        for index, prompt in enumerate(prompts):
+            if index % 2:
+                assert outputs[prompt].finish_reason == "length"
+                assert outputs[prompt].text == expected_text(engine_alone, tokenizer, prompt, 48)
+            else:
+                assert outputs[prompt].finish_reason == "cancelled" and len(outputs[prompt].pieces) < 48
+
+        expected = {prompt: expected_text(engine_alone, tokenizer, prompt, 50) for prompt in PROMPTS}
+        kill_a_rank_while_it_runs(cluster, group, PROMPTS, 50, expected)
+
+
+def test_a_tensor_by_pipeline_group_answers_as_transformers(tmp_path):
+    """Four ranks, two stages of two, on a tiny Llama with 4 heads and 2 layers (one per stage)."""
+    import_or_skip("transformers")
+    from shared.tokenizer import Tokenizer
+
+    model = transformers_model("llama")
+    directory = save_checkpoint(model, tmp_path / "tiny-llama")
+    tokenizer = Tokenizer.load(str(directory))
+    conversations = [[{"role": "user", "content": text}] for text in ("Hello there", "Count: 1 2 3", "xyz")]
+    with contextlib.closing(Cluster(workers=0, model=str(directory), served_model_name="tiny")) as cluster:
+        cluster.redis.start()
+        cluster.start("scheduler")
+        group = cluster.start_worker(ITERSERVE_TENSOR_PARALLEL="2", ITERSERVE_PIPELINE_PARALLEL="2")
+        cluster.start("gateway")
+        cluster.wait_ready(1)
+        assert status(cluster)["workers"][0]["device"] == "cpu x4 (tensor parallel 2 x pipeline parallel 2)"
+        assert len(ranks_of(psutil.Process(group.process.pid))) == 3
+
+        def ask(messages: list[dict]) -> list[int]:
+            answer = post(cluster.base_url, "/v1/chat/completions", {
+                "model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "logprobs": True})
+            return [bytes(entry["bytes"]) for entry in answer["choices"][0]["logprobs"]["content"]]
+
+        with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
+            answers = list(pool.map(ask, conversations))
+    for messages, answer in zip(conversations, answers, strict=True):
+        prompt = tokenizer.encode_chat(messages)
+        with torch.inference_mode():
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert answer == [tokenizer.token_bytes(token_id) for token_id in ids]

@@ -105,13 +105,14 @@ class Engine(RequestRows):
         # The decode workspace (a second, contiguous copy of the decoding requests' KV) pays on the
         # CPU, where gathering from the pool is slow; on CUDA it would commit gigabytes: the pool only.
         workspace_tokens = settings.decode_workspace_tokens if device.type == "cpu" else 0
-        if settings.tensor_parallel > 1:  # one rank of a worker group (services/worker/group.py)
-            from services.worker.tensor_parallel import TensorParallelLlama
+        if settings.group_size > 1:  # one rank of a worker group (services/worker/group.py)
+            from services.worker.parallel import Layout, ParallelLlama
 
-            model = TensorParallelLlama(metadata.config, load_weights(metadata), device, dtype)
+            model = ParallelLlama(metadata.config, load_weights(metadata), device, dtype,
+                                  Layout(settings.tensor_parallel, settings.pipeline_parallel))
         else:
             model = Llama(metadata.config, load_weights(metadata), device, dtype, compile=settings.compile)
-        # model.config: this rank's heads when tensor parallel, so its KV pool holds its KV heads only
+        # model.config: this rank's heads and layers in a group, so its KV pool holds only those
         engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
         log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d compile=%s cuda_graphs=%s seconds=%.2f",
@@ -135,14 +136,14 @@ class Engine(RequestRows):
         return max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
 
     @classmethod
-    def blocks_for_settings(cls, settings: "Settings", tensor_parallel: int = 1) -> int:
-        """kv_blocks_in for a model file, before it is loaded (one rank's KV heads when split)."""
-        from services.worker.tensor_parallel import local_config
+    def blocks_for_settings(cls, settings: "Settings") -> int:
+        """kv_blocks_in for a model file, before it is loaded (rank 0's heads and layers in a group)."""
+        from services.worker.parallel import Layout, rank_config
         from shared.model_file import load_metadata
 
         metadata = load_metadata(settings.model)
         device = pick_device(settings.device)
-        config = local_config(metadata.config, tensor_parallel) if tensor_parallel > 1 else metadata.config
+        config = rank_config(metadata.config, Layout(settings.tensor_parallel, settings.pipeline_parallel), 0)
         return cls.kv_blocks_in(config, settings, device, pick_dtype(settings.dtype, device, metadata.stored_dtype))
 
     @classmethod

@@ -1,12 +1,18 @@
-"""A tensor-parallel worker group: ranks holding shards of one model run every plan together.
+"""A worker group: ranks holding shares of one model run every plan together.
 
-`iterserve worker --tensor-parallel N` is rank 0: the worker the scheduler knows (its heartbeat,
-its plans, its results), with the group's KV capacity. It starts ranks 1..N-1 as child processes
-on torch.distributed (gloo on the CPU, NCCL on CUDA: each rank its own device) and hands every
-change it makes to its engine to them too, in order, as a broadcast command (reset, take a
-plan's frees and cache commands, step, free): each rank then holds the same rows and block
-tables over its own shard of the KV, and a step's collectives (services/worker/tensor_parallel.py)
-keep the ranks in lockstep; every rank samples the same token from the same gathered logits.
+`iterserve worker --tensor-parallel N --pipeline-parallel M` is rank 0: the worker the scheduler
+knows (its heartbeat, its plans, its results), with the group's KV capacity. It starts ranks
+1..NM-1 as child processes on torch.distributed (gloo on the CPU, NCCL on CUDA: each rank its own
+device) and hands every change it makes to its engine to them too, in order, as a broadcast
+command (reset, take a plan's frees and cache commands, step, free): each rank then holds the same
+rows and block tables over its own share of the KV, and a step's collectives and stage-to-stage
+sends (services/worker/parallel.py) keep the ranks in lockstep; every rank samples the same token
+from the same full logits.
+
+The stages run one step at a time: a step passes through them in turn, so a group of M stages
+holds M times the layers of one device, not M steps at once (Orca's figure 8 overlaps M batches
+of disjoint requests; here a plan's requests are fed their previous token by the plan after it,
+which would have to wait anyway).
 
 Faults: the death of any rank is the death of the group's worker. A rank that exits is seen by
 rank 0 within MONITOR_SECONDS, and rank 0 exits at once (its heartbeat stops: the scheduler moves
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from services.worker.parallel import Layout
     from shared.config import Settings
 
 log = logging.getLogger("iterserve.worker")
@@ -55,19 +62,25 @@ def _rank_settings(settings: "Settings", rank: int) -> "Settings":
     return settings.model_copy(update={"device": device})
 
 
-def _join(rank: int, world: int, address: str, device: str) -> "dist.ProcessGroup":
-    """Join the group; returns the command channel (the default group carries the model's collectives)."""
+def _join(rank: int, layout: "Layout", address: str, device: str) -> "dist.ProcessGroup":
+    """Join the group; returns the command channel (the default group and the stages' groups carry
+    the model's collectives)."""
+    from services.worker.parallel import make_tensor_groups
+
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=layout.world,
                             timeout=COLLECTIVE_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    channel = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    make_tensor_groups(layout)
+    return channel
 
 
-def _follower(rank: int, world: int, address: str, settings_json: str) -> None:
-    """Ranks 1..N-1: load the shard, then do what rank 0 did, command by command, for as long as rank 0
+def _follower(rank: int, address: str, settings_json: str) -> None:
+    """Ranks 1..NM-1: load the shard, then do what rank 0 did, command by command, for as long as rank 0
     lives (they die with it)."""
     from services.worker.engine import Engine
     from services.worker.kv_cache import CacheMismatch
+    from services.worker.parallel import Layout
     from shared.config import Settings
 
     try:
@@ -77,7 +90,7 @@ def _follower(rank: int, world: int, address: str, settings_json: str) -> None:
     settings = Settings.model_validate_json(settings_json)
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s %(levelname)s iterserve.rank{rank} %(message)s")
     torch.set_num_threads(max(1, settings.threads))
-    channel = _join(rank, world, address, settings.device)
+    channel = _join(rank, Layout(settings.tensor_parallel, settings.pipeline_parallel), address, settings.device)
     engine = Engine.from_settings(settings)
     box: list[Any] = [None]
     while True:
@@ -94,10 +107,10 @@ class EngineGroup:
 
     executor = "engine"
 
-    def __init__(self, engine, channel: "dist.ProcessGroup", followers: list[multiprocessing.Process]):
-        self.engine, self.channel, self.followers = engine, channel, followers
-        self.world = len(followers) + 1
-        self.device_name = f"{engine.device_name} x{self.world} (tensor parallel)"
+    def __init__(self, engine, channel: "dist.ProcessGroup", followers: list[multiprocessing.Process],
+                 layout: "Layout"):
+        self.engine, self.channel, self.followers, self.layout = engine, channel, followers, layout
+        self.device_name = f"{engine.device_name} x{layout.world} ({layout.describe()})"
         self._monitor = threading.Thread(target=self._watch, name="group-monitor", daemon=True)
         self._monitor.start()
 
@@ -106,7 +119,10 @@ class EngineGroup:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.engine.kv_bytes_per_token * self.world
+        from services.worker.parallel import kv_bytes_per_token
+
+        element_size = self.engine.kv_cache.keys[0].element_size()
+        return kv_bytes_per_token(self.engine.model.full_config, self.layout, element_size)
 
     def _send(self, *command: Any) -> None:
         dist.broadcast_object_list([command], src=0, group=self.channel)
@@ -162,31 +178,34 @@ class EngineGroup:
 
 
 def start_group(settings: "Settings") -> EngineGroup:
-    """Start ranks 1..N-1, join them as rank 0, load this rank's shard."""
+    """Start ranks 1..NM-1, join them as rank 0, load this rank's share."""
     from services.worker.engine import Engine
-
-    from services.worker.tensor_parallel import check_divisible
+    from services.worker.parallel import Layout, check_split
     from shared.config import threads_per_worker
     from shared.model_file import load_metadata
 
-    world = settings.tensor_parallel
+    layout = Layout(settings.tensor_parallel, settings.pipeline_parallel)
     try:
-        check_divisible(load_metadata(settings.model).config, world)  # before any rank starts
+        check_split(load_metadata(settings.model).config, layout)  # before any rank starts
     except ValueError as error:
         raise SystemExit(f"iterserve worker: {error}") from None
-    settings = settings.model_copy(update={"threads": settings.threads or threads_per_worker(settings.workers * world)})
+    threads = settings.threads or threads_per_worker(settings.workers * layout.world)
+    settings = settings.model_copy(update={"threads": threads})
+    if settings.cuda_graphs:  # a captured step would replay without its collectives and sends
+        log.warning("event=cuda_graphs_ignored reason=worker_group")
+        settings = settings.model_copy(update={"cuda_graphs": False})
     if settings.kv_memory_fraction > 0:  # every rank must hold the same number of blocks: rank 0's count
-        settings = settings.model_copy(update={"kv_blocks": Engine.blocks_for_settings(settings, world),
+        settings = settings.model_copy(update={"kv_blocks": Engine.blocks_for_settings(settings),
                                                "kv_memory_fraction": 0.0})
     address = f"127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")
     followers = [context.Process(target=_follower, name=f"rank{rank}", daemon=True,
-                                 args=(rank, world, address, _rank_settings(settings, rank).model_dump_json()))
-                 for rank in range(1, world)]
+                                 args=(rank, address, _rank_settings(settings, rank).model_dump_json()))
+                 for rank in range(1, layout.world)]
     for follower in followers:
         follower.start()
     rank_settings = _rank_settings(settings, 0)
-    channel = _join(0, world, address, rank_settings.device)
+    channel = _join(0, layout, address, rank_settings.device)
     engine = Engine.from_settings(rank_settings)
-    log.info("event=group_ready world=%d backend=%s", world, dist.get_backend())
-    return EngineGroup(engine, channel, followers)
+    log.info("event=group_ready world=%d layout=%r backend=%s", layout.world, layout.describe(), dist.get_backend())
+    return EngineGroup(engine, channel, followers, layout)

@@ -341,9 +341,9 @@ def make_engine(settings: Settings):
     """The worker's executor: the model (the default), or the emulated one (a benchmarking
     instrument) with its hardware profile; a bad profile stops the worker with a clear message."""
     if settings.executor == "emulated":
-        if settings.tensor_parallel > 1:
-            raise SystemExit("iterserve worker: --tensor-parallel needs the model (--executor engine): the emulated "
-                             "executor's profile already stands for the whole device group")
+        if settings.group_size > 1:
+            raise SystemExit("iterserve worker: --tensor-parallel and --pipeline-parallel need the model (--executor "
+                             "engine): the emulated executor's profile already stands for the whole device group")
         from services.worker.emulated import EmulatedEngine
         from services.worker.hardware import ProfileError
 
@@ -357,7 +357,7 @@ def make_engine(settings: Settings):
     from shared.model_file import ModelFileError
 
     try:
-        if settings.tensor_parallel > 1:
+        if settings.group_size > 1:
             from services.worker.group import start_group
 
             return start_group(settings)
@@ -368,7 +368,7 @@ def make_engine(settings: Settings):
 
 
 async def run_worker(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
-    torch.set_num_threads(settings.threads or threads_per_worker(settings.workers * settings.tensor_parallel))
+    torch.set_num_threads(settings.threads or threads_per_worker(settings.workers * settings.group_size))
     engine = await asyncio.to_thread(make_engine, settings)
     worker = Worker(settings, engine, settings.worker_id or new_worker_id())
     try:
