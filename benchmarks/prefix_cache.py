@@ -9,7 +9,9 @@ and model), driven by `iterserve bench` with the same seeded workload:
 2. multiturn, two workers: --placement cache-aware against least-loaded (hit rate, time to first
    token of later turns, and the largest gap in running requests between the two workers, sampled
    from /status every 0.2 s, against --placement-slack);
-3. system-prompt, one worker: caching on against off.
+3. the same two-worker pair with a KV pool that holds about half the conversations' histories
+   (--pressure-kv-blocks), where what one worker caches is what the other does not have to;
+4. system-prompt, one worker: caching on against off.
 Writes benchmarks/results/prefix_cache.json and .md (the ratios first). This machine is shared
 and noisy: the ratios are what to read, each pair measured back to back.
 """
@@ -90,6 +92,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--users", type=int, default=24, help="system-prompt workload: requests")
+    parser.add_argument("--pressure-kv-blocks", type=int, default=256,
+                        help="the KV blocks per worker of the second two-worker pair (default 256)")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
@@ -106,6 +110,12 @@ def main() -> None:
                                        multiturn, args.conversations, 8),
         "two_workers_least_loaded": run("multiturn, 2 workers, least-loaded", 2, ("--placement", "least-loaded"),
                                         multiturn, args.conversations, 8),
+        "pressured_cache_aware": run(f"multiturn, 2 workers, cache-aware, {args.pressure_kv_blocks} KV blocks", 2,
+                                     ("--placement", "cache-aware", "--kv-blocks", str(args.pressure_kv_blocks)),
+                                     multiturn, args.conversations, 8),
+        "pressured_least_loaded": run(f"multiturn, 2 workers, least-loaded, {args.pressure_kv_blocks} KV blocks", 2,
+                                      ("--placement", "least-loaded", "--kv-blocks", str(args.pressure_kv_blocks)),
+                                      multiturn, args.conversations, 8),
         "system_prompt_cached": run("system-prompt, 1 worker, prefix caching", 1, (), shared, args.users, 8),
         "system_prompt_uncached": run("system-prompt, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",),
                                       shared, args.users, 8),
@@ -120,6 +130,11 @@ def main() -> None:
         "two_workers_hit_rate_cache_aware_over_least_loaded": ratio(aware["hit_rate"], least["hit_rate"]),
         "two_workers_ttft_later_turns_least_loaded_over_cache_aware": ratio(least["ttft_later_turns_p50_ms"],
                                                                             aware["ttft_later_turns_p50_ms"]),
+        "pressured_hit_rate_cache_aware_over_least_loaded": ratio(runs["pressured_cache_aware"]["hit_rate"],
+                                                                  runs["pressured_least_loaded"]["hit_rate"]),
+        "pressured_ttft_later_turns_least_loaded_over_cache_aware": ratio(
+            runs["pressured_least_loaded"]["ttft_later_turns_p50_ms"],
+            runs["pressured_cache_aware"]["ttft_later_turns_p50_ms"]),
         "system_prompt_ttft_uncached_over_cached": ratio(runs["system_prompt_uncached"]["ttft_p50_ms"],
                                                          runs["system_prompt_cached"]["ttft_p50_ms"]),
     }

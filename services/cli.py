@@ -35,9 +35,11 @@ SERVICE_OPTIONS = {
     "--no-prefix-caching": ("prefix_caching", "off", "recompute every prompt (default: finished requests' KV blocks "
                                                    "stay cached for later requests with the same prefix)"),
     "--placement": ("placement", str, "cache-aware (default: the worker holding the longest prefix, within "
-                                      "--placement-slack of the least loaded) or least-loaded (the most free KV)"),
+                                      "--placement-slack of the least loaded) or least-loaded (the fewest running)"),
     "--placement-slack": ("placement_slack", int, "cache-aware placement: requests a worker may run beyond the "
                                                   "least loaded one's and still get a request for its cache (default 8)"),
+    "--placement-threshold": ("placement_threshold", float, "cache-aware placement: the fraction of a request's "
+                                                            "tokens a worker must hold to get it for its cache (0.5)"),
     "--kv-blocks": ("kv_blocks", int, "KV cache blocks per worker (default 2048)"),
     "--kv-memory-fraction": ("kv_memory_fraction", float, "size the KV pool as this fraction of free device memory"),
     "--kv-block-size": ("kv_block_size", int, "tokens per KV block (default 16)"),

@@ -42,11 +42,13 @@ class Settings(BaseModel):
     # their worker for later requests with the same prefix (a conversation's next turn, a shared
     # system prompt) until the room is needed.
     prefix_caching: bool = True
-    # Where a waiting request goes: "cache-aware", the worker holding the longest prefix of it
-    # unless that worker runs more than placement_slack requests more than the least loaded one;
-    # "least-loaded", the worker with the most free KV (services/scheduler/policy.py).
+    # Where a waiting request goes: "cache-aware", the worker holding the longest prefix of it when
+    # that prefix is at least placement_threshold of the request's tokens, unless that worker runs
+    # more than placement_slack requests more than the least loaded one; "least-loaded", the worker
+    # running the fewest requests (services/scheduler/policy.py).
     placement: Literal["cache-aware", "least-loaded"] = "cache-aware"
     placement_slack: int = Field(8, ge=0)
+    placement_threshold: float = Field(0.5, ge=0.0, le=1.0)
     # Workers
     workers: int = Field(1, ge=0)  # `iterserve up` only
     # A worker group (services/worker/group.py) of tensor_parallel x pipeline_parallel ranks: each

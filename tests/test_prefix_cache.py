@@ -300,6 +300,25 @@ def test_cache_aware_placement_follows_the_prefix_unless_that_worker_is_too_load
     cluster.assert_nothing_held()
 
 
+@pytest.mark.parametrize(("threshold", "goes_home"), [(0.5, False), (0.0, True)])
+def test_a_short_cached_prefix_does_not_draw_a_request_away_from_the_least_loaded_worker(threshold, goes_home):
+    """A worker holding only the first block of a 6-block request (a chat template's system prompt,
+    seen by one worker and not yet the other) gets it only when placement_threshold allows; else
+    the least loaded worker does, so new conversations do not all pile onto one worker."""
+    cluster = Cluster({"w0": emulated(kv_blocks=64), "w1": emulated(kv_blocks=64)}, placement="cache-aware",
+                      placement_threshold=threshold, pipeline_depth=1)
+    preamble = list(range(100, 100 + BLOCK))
+    cluster.add("long", preamble + [1, 2, 3], max_tokens=60)  # keeps running on its worker: load 1
+    cluster.tick()
+    home = cluster.states["long"].worker_id
+    cluster.add("new", preamble + list(range(200, 200 + 5 * BLOCK)), max_tokens=4)
+    cluster.tick()
+    assert (cluster.states["new"].worker_id == home) is goes_home
+    assert cluster.states["new"].adopted_blocks == (1 if goes_home else 0)
+    cluster.drain()
+    cluster.assert_nothing_held()
+
+
 def test_least_loaded_placement_ignores_the_cache():
     cluster = Cluster({"w0": emulated(kv_blocks=64), "w1": emulated(kv_blocks=64)}, placement="least-loaded",
                       pipeline_depth=1)

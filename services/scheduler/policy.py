@@ -22,10 +22,12 @@ worker's cache of full KV blocks, named by hashes of their contents. A request a
 starts after the longest prefix of it that worker holds; blocks a result confirms written are
 registered; idle cached blocks count as free room and are evicted, least recently used first,
 when a step needs them. Placement (`placement`): "least-loaded" sends a waiting request to the
-worker with the most free KV (an idle worker with room takes it rather than let it wait);
-"cache-aware" sends it to the worker holding the longest prefix of it, unless that worker runs
-more than `placement_slack` requests more than the least loaded one (SGLang's router balances
-the same way), and falls back to least-loaded when no worker holds any of it.
+worker running the fewest requests (counting those already meant for it; ties: the most free KV),
+and an idle worker with room takes it rather than let it wait;
+"cache-aware" sends it to the worker holding the longest prefix of it, unless that prefix is less
+than `placement_threshold` of its tokens or that worker runs more than `placement_slack` requests
+more than the least loaded one (SGLang's router balances the same way), and falls back to
+least-loaded then.
 
 No Redis, no asyncio, no tensors here: services/scheduler/service.py moves the messages.
 """
@@ -115,6 +117,7 @@ class SchedulerPolicy:
         prefix_caching: bool = False,
         placement: Placement = "least-loaded",
         placement_slack: int = 8,
+        placement_threshold: float = 0.5,
         cache_salt: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -124,6 +127,7 @@ class SchedulerPolicy:
         if placement not in ("cache-aware", "least-loaded"):
             raise ValueError(f"unknown placement {placement!r}")
         self.prefix_caching, self.placement, self.placement_slack = prefix_caching, placement, placement_slack
+        self.placement_threshold = placement_threshold
         self._root_hash = root_hash(cache_salt)
         # Prefix-cache queries and hits, in prompt (and rebuilt output) tokens, at every admission.
         self.prefix_cache_queried_tokens = 0
@@ -537,9 +541,10 @@ class SchedulerPolicy:
                           claimed: dict[str, tuple[int, int]]) -> tuple[WorkerState | None, bool]:
         """Where a waiting request should go, and whether it should wait for that worker rather than
         start on another: under cache-aware placement the worker holding the longest prefix of it
-        (ties: the least loaded) if its load (requests running and meant for it) is within
-        placement_slack of the least loaded worker's; otherwise the live worker with the most free
-        KV blocks that takes new requests (ties: the planning worker, then the smaller id)."""
+        (ties: the least loaded) if that prefix is at least placement_threshold of its tokens and
+        that worker's load (requests running and meant for it) is within placement_slack of the least
+        loaded worker's; otherwise the least loaded live worker that takes
+        new requests (ties: the most free KV blocks, then the planning worker, then the smaller id)."""
         best: tuple[tuple, WorkerState] | None = None
         loads: dict[str, int] = {}
         for worker in self._workers.values():
@@ -552,7 +557,8 @@ class SchedulerPolicy:
                 if len(worker.running) + claimed_count >= self.max_batch_size:
                     continue
             loads[worker.worker_id] = len(worker.running) + claimed_count
-            key = (-(worker.kv_blocks_available - claimed_blocks), worker is not planning, worker.worker_id)
+            key = (loads[worker.worker_id], -(worker.kv_blocks_available - claimed_blocks), worker is not planning,
+                   worker.worker_id)
             if best is None or key < best[0]:
                 best = (key, worker)
         if best is None:
@@ -561,7 +567,10 @@ class SchedulerPolicy:
             least = min(loads.values())
             cached = max(((self._cached_prefix(self._workers[worker_id], state), -load, worker_id)
                           for worker_id, load in loads.items() if load <= least + self.placement_slack))
-            if cached[0] > 0:
+            # A short match (a chat template's system prompt that one worker has seen and the other not
+            # yet) must not draw every new conversation to one worker: SGLang's router's cache_threshold.
+            if cached[0] > 0 and cached[0] * self._workers[cached[2]].kv_block_size >= \
+                    self.placement_threshold * state.total_tokens:
                 return self._workers[cached[2]], True
         return best[1], False
 

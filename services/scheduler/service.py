@@ -82,6 +82,7 @@ class SchedulerService:
             prefix_caching=settings.prefix_caching,
             placement=settings.placement,
             placement_slack=settings.placement_slack,
+            placement_threshold=settings.placement_threshold,
             cache_salt=settings.model_group or settings.model,
         )
         self.link = RedisLink(redis, on_write_failed=self._write_failed,
