@@ -81,9 +81,12 @@ def test_a_conversations_turns_and_a_cached_prefix_on_a_worker_that_dies(engine_
         warm = client.completions.create(model=MODEL, prompt=prefix + " First question: what is rain?", max_tokens=2,
                                          temperature=0)
         assert warm.usage.completion_tokens == 2
-        holder = wait_for(lambda: next((w for w in status(cluster)["workers"]
-                                        if w["kv_blocks_cached"] >= len(tokenizer.encode_prompt(prefix)) // BLOCK), None),
-                          "a heartbeat showing the prefix cached")
+        # The worker that ran it (the other may hold as many blocks: the conversation's, which share
+        # only the system prompt).
+        warm_worker = admissions(cluster, warm.id)[0]["worker_id"]
+        holder = wait_for(lambda: next((w for w in status(cluster)["workers"] if w["id"] == warm_worker
+                                        and w["kv_blocks_cached"] >= len(tokenizer.encode_prompt(prefix)) // BLOCK),
+                                       None), "a heartbeat showing the prefix cached")
         prompt = prefix + " Second question: why do clouds float?"
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 

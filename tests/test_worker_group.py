@@ -58,17 +58,24 @@ def status(cluster: Cluster) -> dict:
     return cluster.get_json("/status")[1]
 
 
+def start_group_alone(cluster: Cluster, ranks: int, **env: str):
+    """Redis, the scheduler, one worker group and the gateway; returns the group's service and its
+    /status entry, once its other ranks are up."""
+    cluster.redis.start()
+    cluster.start("scheduler")
+    group = cluster.start_worker(**env)
+    cluster.start("gateway")
+    cluster.wait_ready(1)
+    assert len(ranks_of(psutil.Process(group.process.pid))) == ranks - 1
+    [worker] = status(cluster)["workers"]
+    return group, worker
+
+
 def test_a_tensor_parallel_group_answers_as_one_engine_and_its_rank_dying_moves_its_requests(engine_alone,
                                                                                              tokenizer):
     with contextlib.closing(Cluster(workers=0)) as cluster:  # the group first, alone
-        cluster.redis.start()
-        cluster.start("scheduler")
-        group = cluster.start_worker(ITERSERVE_TENSOR_PARALLEL="3")
-        cluster.start("gateway")
-        cluster.wait_ready(1)
-        [worker] = status(cluster)["workers"]
+        group, worker = start_group_alone(cluster, 3, ITERSERVE_TENSOR_PARALLEL="3")
         assert worker["device"] == "cpu x3 (tensor parallel 3)" and worker["kv_blocks_total"] == 256
-        assert len(ranks_of(psutil.Process(group.process.pid))) == 2
 
         # The group alone serves a batch of requests: what the single-process engine answers.
         expected = {prompt: expected_text(engine_alone, tokenizer, prompt, 40) for prompt in PROMPTS}
@@ -129,14 +136,8 @@ def test_a_pipeline_parallel_group_answers_as_one_engine_through_cancellations_a
                                                                                                 tokenizer):
     prompts = PROMPTS + ["The capital of France is", "A recipe for pancakes:\n1."]
     with contextlib.closing(Cluster(workers=0)) as cluster:
-        cluster.redis.start()
-        cluster.start("scheduler")
-        group = cluster.start_worker(ITERSERVE_PIPELINE_PARALLEL="2")
-        cluster.start("gateway")
-        cluster.wait_ready(1)
-        [worker] = status(cluster)["workers"]
+        group, worker = start_group_alone(cluster, 2, ITERSERVE_PIPELINE_PARALLEL="2")
         assert worker["device"] == "cpu x2 (pipeline parallel 2)" and worker["kv_blocks_total"] == 256
-        assert len(ranks_of(psutil.Process(group.process.pid))) == 1
 
         # Half the requests cancelled mid-run: the others answer exactly, every KV block comes back.
         outputs = asyncio.run(cancel_half(cluster, prompts, 48))
@@ -161,13 +162,8 @@ def test_a_tensor_by_pipeline_group_answers_as_transformers(tmp_path):
     tokenizer = Tokenizer.load(str(directory))
     conversations = [[{"role": "user", "content": text}] for text in ("Hello there", "Count: 1 2 3", "xyz")]
     with contextlib.closing(Cluster(workers=0, model=str(directory), served_model_name="tiny")) as cluster:
-        cluster.redis.start()
-        cluster.start("scheduler")
-        group = cluster.start_worker(ITERSERVE_TENSOR_PARALLEL="2", ITERSERVE_PIPELINE_PARALLEL="2")
-        cluster.start("gateway")
-        cluster.wait_ready(1)
-        assert status(cluster)["workers"][0]["device"] == "cpu x4 (tensor parallel 2 x pipeline parallel 2)"
-        assert len(ranks_of(psutil.Process(group.process.pid))) == 3
+        _, worker = start_group_alone(cluster, 4, ITERSERVE_TENSOR_PARALLEL="2", ITERSERVE_PIPELINE_PARALLEL="2")
+        assert worker["device"] == "cpu x4 (tensor parallel 2 x pipeline parallel 2)"
 
         def ask(messages: list[dict]) -> list[int]:
             answer = post(cluster.base_url, "/v1/chat/completions", {

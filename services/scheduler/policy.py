@@ -543,8 +543,8 @@ class SchedulerPolicy:
         start on another: under cache-aware placement the worker holding the longest prefix of it
         (ties: the least loaded) if that prefix is at least placement_threshold of its tokens and
         that worker's load (requests running and meant for it) is within placement_slack of the least
-        loaded worker's; otherwise the least loaded live worker that takes
-        new requests (ties: the most free KV blocks, then the planning worker, then the smaller id)."""
+        loaded worker's; otherwise the least loaded live worker that takes new requests (ties: the
+        most free KV blocks, then the planning worker, then the smaller id)."""
         best: tuple[tuple, WorkerState] | None = None
         loads: dict[str, int] = {}
         for worker in self._workers.values():
