@@ -45,7 +45,6 @@ log = logging.getLogger("iterserve.worker")
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 COMMAND_TIMEOUT = timedelta(days=7)  # the command channel: idle for as long as the worker is
 MONITOR_SECONDS = 0.2
-START_TIMEOUT_SECONDS = 600  # loading a shard of a large model
 PR_SET_PDEATHSIG = 1
 
 
@@ -143,12 +142,7 @@ class EngineGroup:
         self._together("take_plan", plan)
 
     def step(self, items, return_logits: bool = False):
-        self._send("step", items)
-        try:
-            return self.engine.step(items, return_logits)
-        except Exception:
-            self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
-            raise
+        return self._together("step", items, return_logits)
 
     def free(self, request_id: str) -> None:
         self._together("free", request_id)

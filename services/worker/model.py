@@ -175,15 +175,20 @@ class Llama:
         kv_cache: PagedKVCache,
         logit_rows: torch.Tensor,  # [B]: the rows whose next token is wanted
     ) -> torch.Tensor:  # [B, V] float32
+        x = self.run_layers(self.embedding.index_select(0, token_ids), positions, batch, kv_cache)  # [T, H]
+        return self.final_logits(x.index_select(0, logit_rows), self.final_norm, self.lm_head, self.config.rms_norm_eps)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                   kv_cache: PagedKVCache) -> torch.Tensor:
+        """Every layer over the step's hidden states [T, H]."""
         config = self.config
         eps = config.rms_norm_eps
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
-        x = self.embedding.index_select(0, token_ids)  # [T, H]
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(x, layer.attn_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
                                             cos, sin, config.n_heads, config.n_kv_heads, config.head_dim, eps)
             kv_cache.write(layer_index, batch.slot_mapping, k, v)
             attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch, layer_index)  # [T, Hq D]
             x = self.attention_output_and_ffn(x, attended, layer.out, layer.ffn_norm, layer.gate_up, layer.down, eps)
-        return self.final_logits(x.index_select(0, logit_rows), self.final_norm, self.lm_head, eps)
+        return x

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from services.worker.attention import AttentionBatch, attend
+from services.worker.attention import AttentionBatch
 from services.worker.kv_cache import PagedKVCache
-from services.worker.model import Llama, attention_inputs, attention_output_and_ffn, linear, rms_norm
+from services.worker.model import Llama, linear, rms_norm
 from shared.model_file import ModelConfig
 
 
@@ -206,42 +206,37 @@ class ParallelLlama(Llama):
         self.logits_source = (layout.pipeline - 1) * layout.tensor  # the last stage's first rank
         super().__init__(rank_config(config, layout, rank), rank_weights(weights, config, layout, rank),
                          device, dtype)
+        if layout.tensor > 1:  # each row-parallel projection's partial sums added over the stage
+            self.attention_output_and_ffn = self._attention_output_and_ffn_all_reduced
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(partial, group=self.tensor_group)
         return partial
 
+    def _attention_output_and_ffn_all_reduced(self, x: torch.Tensor, attended: torch.Tensor, out: torch.Tensor,
+                                              norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                                              eps: float) -> torch.Tensor:
+        x = x + self._all_reduce(linear(attended, out))
+        gate, up = linear(rms_norm(x, norm, eps), gate_up).chunk(2, dim=-1)
+        return x + self._all_reduce(linear(torch.nn.functional.silu(gate) * up, down))
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_cache: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
-        config = self.config  # this rank's heads, columns and layers
-        eps = config.rms_norm_eps
-        split = self.layout.tensor > 1
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
         if self.first_stage:
             x = self.embedding.index_select(0, token_ids)
         else:  # the previous stage's hidden states
-            x = torch.empty((token_ids.shape[0], config.hidden_size), dtype=self.dtype, device=self.device)
+            x = torch.empty((token_ids.shape[0], self.config.hidden_size), dtype=self.dtype, device=self.device)
             dist.recv(x, src=self.previous_rank)
-        for layer_index, layer in enumerate(self.layers):
-            q, k, v = attention_inputs(x, layer.attn_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
-                                       cos, sin, config.n_heads, config.n_kv_heads, config.head_dim, eps)
-            kv_cache.write(layer_index, batch.slot_mapping, k, v)
-            attended = attend(q, kv_cache.keys[layer_index], kv_cache.values[layer_index], batch, layer_index)
-            if not split:
-                x = attention_output_and_ffn(x, attended, layer.out, layer.ffn_norm, layer.gate_up, layer.down, eps)
-                continue
-            x = x + self._all_reduce(linear(attended, layer.out))
-            gate, up = linear(rms_norm(x, layer.ffn_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + self._all_reduce(linear(torch.nn.functional.silu(gate) * up, layer.down))
+        x = self.run_layers(x, positions, batch, kv_cache)  # this rank's heads, columns and layers
         if not self.last_stage:
             dist.send(x.contiguous(), dst=self.next_rank)
             logits = torch.empty((logit_rows.shape[0], self.full_config.vocab_size), dtype=torch.float32,
                                  device=self.device)
         else:
-            logits = linear(rms_norm(x.index_select(0, logit_rows), self.final_norm, eps), self.lm_head).float()
-            if split:
+            logits = self.final_logits(x.index_select(0, logit_rows), self.final_norm, self.lm_head,
+                                       self.config.rms_norm_eps)
+            if self.layout.tensor > 1:
                 shards = [torch.empty_like(logits) for _ in range(self.layout.tensor)]
                 dist.all_gather(shards, logits.contiguous(), group=self.tensor_group)
                 logits = torch.cat(shards, dim=-1)  # [B, V]
