@@ -166,7 +166,9 @@ class Cluster:
             return response.read().decode()
 
     def wait_ready(self, workers: int, timeout: float = READY_TIMEOUT_SECONDS) -> None:
-        """Until /health is 200 and /status lists `workers` live workers, none draining."""
+        """Until /health is 200 and /status lists `workers` live workers, none draining, and a
+        running scheduler has seen them too (it polls heartbeats: requests sent before it does would
+        all go to the workers it already knows)."""
         deadline = time.monotonic() + timeout
         last = None
         while True:
@@ -178,8 +180,11 @@ class Cluster:
                 health, _ = self.get_json("/health")
                 _, status = self.get_json("/status")
                 live = [worker for worker in status["workers"] if not worker["draining"]]
-                last = (health, len(live))
-                if health == 200 and len(live) == workers:
+                scheduling = "scheduler" in self.services and self.services["scheduler"].running()
+                unseen = [worker["id"] for worker in live if scheduling and worker["id"] not in
+                          ((status["models"][worker["model"]]["scheduler"] or {}).get("kv_blocks") or {})]
+                last = (health, len(live), unseen)
+                if health == 200 and len(live) == workers and not unseen:
                     return
             except (urllib.error.URLError, OSError, ValueError) as error:
                 last = error

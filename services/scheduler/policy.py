@@ -515,11 +515,13 @@ class SchedulerPolicy:
                     self._finished_without_token.append(state)
                     log.warning("request_id=%s needs more KV than any worker has", request_id)
                 continue
-            if target is not worker and (pinned or not (target.in_flight and blocks <= worker.kv_blocks_available)):
-                # Meant for a worker that holds its prefix, or has more free KV, and plans soon; an
-                # idle worker with room takes it rather than let it wait for a busy one (unless the
-                # other holds its prefix).
-                target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
+            target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
+            as_loaded = len(target.running) + target_count >= len(worker.running)
+            if target is not worker and (pinned or not (target.in_flight and as_loaded
+                                                        and blocks <= worker.kv_blocks_available)):
+                # Meant for a worker that holds its prefix, or runs fewer requests, or as many with
+                # more free KV and plans soon; when that one is busy and no less loaded, the
+                # planning worker takes it if it has room rather than let it wait.
                 claimed[target.worker_id] = (target_blocks + target.blocks_for(state.total_tokens), target_count + 1)
                 continue
             cached = self._cached_prefix(worker, state)
