@@ -9,8 +9,9 @@ and model), driven by `iterserve bench` with the same seeded workload:
 2. multiturn, two workers: --placement cache-aware against least-loaded (hit rate, time to first
    token of later turns, and the largest gap in running requests between the two workers, sampled
    from /status every 0.2 s, against --placement-slack);
-3. the same two-worker pair with a KV pool that holds about half the conversations' histories
-   (--pressure-kv-blocks), where what one worker caches is what the other does not have to;
+3. the same two-worker pair with smaller KV pools (--pressure-kv-blocks, one pair per size: 256
+   blocks hold about half the conversations' histories), where what one worker caches is what the
+   other does not have to;
 4. system-prompt, one worker: caching on against off.
 Writes benchmarks/results/prefix_cache.json and .md (the ratios first). This machine is shared
 and noisy: the ratios are what to read, each pair measured back to back.
@@ -92,8 +93,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--users", type=int, default=24, help="system-prompt workload: requests")
-    parser.add_argument("--pressure-kv-blocks", type=int, default=256,
-                        help="the KV blocks per worker of the second two-worker pair (default 256)")
+    parser.add_argument("--pressure-kv-blocks", default="256,160",
+                        help="KV blocks per worker of the pressured two-worker pairs, one pair each (default 256,160)")
+    parser.add_argument("--only-pressured", action="store_true", help="run only the pressured two-worker pairs")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
@@ -101,7 +103,18 @@ def main() -> None:
     multiturn = WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=args.turns,
                                think_time=1.0)
     shared = WorkloadConfig(name="system-prompt", input_range=(16, 48), output_range=(8, 24), system_prompt_tokens=384)
+    pools = [int(blocks) for blocks in args.pressure_kv_blocks.split(",") if blocks]
     started = time.time()
+    runs = {}
+    for blocks in pools:
+        for placement in ("cache-aware", "least-loaded"):
+            runs[f"pressured_{blocks}_{placement.replace('-', '_')}"] = run(
+                f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
+                ("--placement", placement, "--kv-blocks", str(blocks)), multiturn, args.conversations, 8)
+    if args.only_pressured:
+        print(json.dumps({name: (result["hit_rate"], result["ttft_later_turns_p50_ms"])
+                          for name, result in runs.items()}))
+        return
     runs = {
         "one_worker_cached": run("multiturn, 1 worker, prefix caching", 1, (), multiturn, args.conversations, 4),
         "one_worker_uncached": run("multiturn, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",), multiturn,
@@ -110,12 +123,7 @@ def main() -> None:
                                        multiturn, args.conversations, 8),
         "two_workers_least_loaded": run("multiturn, 2 workers, least-loaded", 2, ("--placement", "least-loaded"),
                                         multiturn, args.conversations, 8),
-        "pressured_cache_aware": run(f"multiturn, 2 workers, cache-aware, {args.pressure_kv_blocks} KV blocks", 2,
-                                     ("--placement", "cache-aware", "--kv-blocks", str(args.pressure_kv_blocks)),
-                                     multiturn, args.conversations, 8),
-        "pressured_least_loaded": run(f"multiturn, 2 workers, least-loaded, {args.pressure_kv_blocks} KV blocks", 2,
-                                      ("--placement", "least-loaded", "--kv-blocks", str(args.pressure_kv_blocks)),
-                                      multiturn, args.conversations, 8),
+        **runs,
         "system_prompt_cached": run("system-prompt, 1 worker, prefix caching", 1, (), shared, args.users, 8),
         "system_prompt_uncached": run("system-prompt, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",),
                                       shared, args.users, 8),
@@ -130,11 +138,13 @@ def main() -> None:
         "two_workers_hit_rate_cache_aware_over_least_loaded": ratio(aware["hit_rate"], least["hit_rate"]),
         "two_workers_ttft_later_turns_least_loaded_over_cache_aware": ratio(least["ttft_later_turns_p50_ms"],
                                                                             aware["ttft_later_turns_p50_ms"]),
-        "pressured_hit_rate_cache_aware_over_least_loaded": ratio(runs["pressured_cache_aware"]["hit_rate"],
-                                                                  runs["pressured_least_loaded"]["hit_rate"]),
-        "pressured_ttft_later_turns_least_loaded_over_cache_aware": ratio(
-            runs["pressured_least_loaded"]["ttft_later_turns_p50_ms"],
-            runs["pressured_cache_aware"]["ttft_later_turns_p50_ms"]),
+        **{name: value for blocks in pools for name, value in (
+            (f"pressured_{blocks}_hit_rate_cache_aware_over_least_loaded",
+             ratio(runs[f"pressured_{blocks}_cache_aware"]["hit_rate"],
+                   runs[f"pressured_{blocks}_least_loaded"]["hit_rate"])),
+            (f"pressured_{blocks}_ttft_later_turns_least_loaded_over_cache_aware",
+             ratio(runs[f"pressured_{blocks}_least_loaded"]["ttft_later_turns_p50_ms"],
+                   runs[f"pressured_{blocks}_cache_aware"]["ttft_later_turns_p50_ms"])))},
         "system_prompt_ttft_uncached_over_cached": ratio(runs["system_prompt_uncached"]["ttft_p50_ms"],
                                                          runs["system_prompt_cached"]["ttft_p50_ms"]),
     }

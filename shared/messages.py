@@ -186,6 +186,8 @@ class WorkerInfo(Frozen):
     model: str = ""
     weights_sha256: str = ""
     kv_bytes_per_token: int = Field(0, ge=0)
+    # A worker group's pipeline stages: it runs that many plans at once, each on different requests.
+    pipeline_stages: int = Field(1, ge=1, le=64)
 
 
 class SchedulerInfo(Frozen):

@@ -26,13 +26,14 @@ def decode_item(request_id: str, token_id: int, position: int, output_index: int
 def generate_alone(engine: Engine, request_id: str, prompt: list[int], count: int,
                    sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset(),
                    logits: list[torch.Tensor] | None = None) -> list[int]:
-    """The request run with nothing else in its batch; each step's logits appended to `logits` if given."""
+    """The request run with nothing else in its batch; each step's logits appended to `logits` if given
+    (and the engine has them: a pipeline stage before the last has only the tokens)."""
     engine.add_request(request_id, sampling)
     want_logits = logits is not None
 
     def step(item: StepItem) -> int:
         result = engine.step([item], return_logits=want_logits)
-        if want_logits:
+        if want_logits and engine.samples:
             logits.append(result.logits[request_id])
         return result.tokens[request_id]
 

@@ -19,12 +19,14 @@ from services.worker.parallel import (
     Layout,
     check_split,
     communication_bytes_per_token,
+    head_cost_in_layers,
     kv_bytes_per_token,
     kv_heads_of,
     local_config,
     rank_config,
     rank_weights,
     shard_weights,
+    stage_layers,
 )
 from tests.engine_helpers import TINY_CONFIG, generate_alone, tiny_engine, tiny_random_weights
 
@@ -39,7 +41,7 @@ def _rank_main(rank: int, layout: Layout, init_file: str, config, answers) -> No
     import torch.distributed as dist
 
     from services.worker.engine import Engine
-    from services.worker.parallel import ParallelLlama, make_tensor_groups
+    from services.worker.parallel import ParallelLlama, make_tensor_groups, stage_layers
     from shared.config import Settings
 
     try:
@@ -49,7 +51,7 @@ def _rank_main(rank: int, layout: Layout, init_file: str, config, answers) -> No
         make_tensor_groups(layout)
         device = torch.device("cpu")
         model = ParallelLlama(config, tiny_random_weights(config), device, torch.float32, layout)
-        assert model.config.n_layers == len(layout.layers(config.n_layers, layout.stage(rank)))
+        assert model.config.n_layers == len(stage_layers(config, layout, layout.stage(rank)))
         settings = Settings(kv_blocks=64, kv_block_size=4)
         engine = Engine(model, Engine.kv_cache_for(model.config, settings, device, torch.float32))
         results = []
@@ -57,10 +59,34 @@ def _rank_main(rank: int, layout: Layout, init_file: str, config, answers) -> No
             logits: list[torch.Tensor] = []
             tokens = generate_alone(engine, f"r{index}", prompt, STEPS, logits=logits)
             results.append((tokens, [row.numpy() for row in logits]))
-        answers.put(("ok", rank, results))
+        answers.put(("ok", rank, (results, sampled_with_logprobs(engine))))
         dist.destroy_process_group()
     except BaseException:
         answers.put(("error", rank, f"rank {rank}: {traceback.format_exc()}"))
+
+
+def sampled_with_logprobs(engine) -> list[tuple[int, float, tuple]]:
+    """Two seeded requests sampled in one batch, asking for 3 and 0 top log-probabilities: each
+    step's (token, log-probability, top) per request."""
+    from shared.messages import SamplingParams, StepItem
+
+    asks = {"s0": SamplingParams(temperature=0.9, seed=11, logprobs=3), "s1": SamplingParams(temperature=1.3, seed=5,
+                                                                                            logprobs=0)}
+    for request_id, sampling in asks.items():
+        engine.add_request(request_id, sampling)
+    prompt = PROMPTS[1]
+    items = [StepItem(request_id=request_id, token_ids=tuple(prompt), start_position=0, sample=True,
+                      output_index=0) for request_id in asks]
+    seen = []
+    for index in range(4):
+        outcome = engine.step(items)
+        seen.append(sorted((request_id, token, outcome.logprobs[request_id].logprob,
+                            outcome.logprobs[request_id].top) for request_id, token in outcome.tokens.items()))
+        items = [StepItem(request_id=request_id, token_ids=(token,), start_position=len(prompt) + index,
+                          sample=True, output_index=index + 1) for request_id, token in outcome.tokens.items()]
+    for request_id in asks:
+        engine.free(request_id)
+    return seen
 
 
 def run_ranks(layout: Layout, config, tmp_path) -> dict[int, list]:
@@ -109,16 +135,35 @@ def test_parallel_ranks_produce_the_single_process_engines_tokens_and_logits(lay
     for prompt in PROMPTS:
         expected_logits: list[torch.Tensor] = []
         expected.append((generate_alone(single, "alone", prompt, STEPS, logits=expected_logits), expected_logits))
-    for rank in range(layout.world):  # every rank samples the same tokens from the same logits
-        for (tokens, logits), (want_tokens, want_logits) in zip(reports[rank], expected, strict=True):
+    want_sampled = sampled_with_logprobs(single)
+    assert len({entry[1] for step in want_sampled for entry in step}) > 2  # sampled, not constant
+    for rank in range(layout.world):  # every rank has the same tokens; the last stage's, the same logits
+        samples = layout.stage(rank) == layout.pipeline - 1
+        greedy, sampled = reports[rank]
+        for got, want in zip(sampled, want_sampled, strict=True):  # tokens exactly, log-probabilities within 1e-4
+            assert [(request_id, token, [top for top, _ in tops]) for request_id, token, _, tops in got] == \
+                [(request_id, token, [top for top, _ in tops]) for request_id, token, _, tops in want], f"rank {rank}"
+            values = [value for _, _, logprob, tops in got for value in (logprob, *(value for _, value in tops))]
+            assert values == pytest.approx([value for _, _, logprob, tops in want
+                                            for value in (logprob, *(value for _, value in tops))], abs=1e-4), \
+                f"rank {rank}"
+        for (tokens, logits), (want_tokens, want_logits) in zip(greedy, expected, strict=True):
             assert tokens == want_tokens, f"rank {rank}"
-            for got, want in zip(logits, want_logits, strict=True):
+            assert len(logits) == (len(want_logits) if samples else 0), f"rank {rank}"
+            for got, want in zip(logits, want_logits, strict=True if samples else False):
                 torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
 
 
 def test_stages_hold_contiguous_runs_of_layers_renumbered_from_zero():
     layout = Layout(tensor=2, pipeline=3)
     assert [list(layout.layers(5, stage)) for stage in range(3)] == [[0, 1], [2, 3], [4]]
+    # Balanced for decoding: the last stage's LM head counts as layers (SmolLM2's shape: 8 of 30).
+    smollm2 = replace(TINY_CONFIG, hidden_size=576, ffn_size=1536, n_heads=9, n_kv_heads=3, head_dim=64,
+                      vocab_size=49152, n_layers=30)
+    assert head_cost_in_layers(smollm2) == pytest.approx(8.0, abs=0.05)
+    assert [stage_layers(smollm2, Layout(pipeline=2), stage) for stage in range(2)] == [range(0, 19), range(19, 30)]
+    assert [len(stage_layers(smollm2, Layout(pipeline=3), stage)) for stage in range(3)] == [13, 12, 5]
+    assert Layout(pipeline=4).layers(4, 3, head_layers=9.0) == range(3, 4)  # every stage keeps a layer
     assert [layout.stage(rank) for rank in range(6)] == [0, 0, 1, 1, 2, 2] and layout.stage_ranks(1) == [2, 3]
     weights = tiny_random_weights(FIVE_LAYERS)
     last = rank_weights(weights, FIVE_LAYERS, layout, 5)  # stage 2, tensor rank 1: layer 4 as blk.0
@@ -147,6 +192,6 @@ def test_shards_cover_each_weight_once_and_kv_heads_follow_their_query_heads():
     # Per token, a ring all-reduce sends 2 (world - 1) / world of H values, twice per layer.
     sent = communication_bytes_per_token(replace(config, hidden_size=2048, n_layers=16), 2, 2)
     assert sent["all_reduce_per_layer"] == 2 * 2048 * 2 and sent["all_reduce_per_step"] == 16 * 2 * 2048 * 2
-    # Across stages: one hidden state per boundary, the float32 logits broadcast.
+    # Across stages: one hidden state per boundary; each sampled token back (id, logprob, 20 top pairs).
     staged = communication_bytes_per_token(replace(config, hidden_size=2048, n_layers=16), 1, 2, pipeline=2)
-    assert staged["stage_boundary"] == 2048 * 2 and staged["logits_broadcast"] == config.vocab_size * 4
+    assert staged["stage_boundary"] == 2048 * 2 and staged["sampled_tokens"] == 42 * 8

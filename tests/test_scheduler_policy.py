@@ -584,6 +584,43 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
     assert all(worker.kv_blocks_reserved == 0 and not worker.running for worker in map(policy.worker, ("w1", "w2")))
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_pipeline_group_gets_one_plan_per_stage_each_of_other_requests(stages):
+    """Orca's figure 8: a worker of M stages has M plans in flight, each of about 1/M of its
+    requests and never one whose token a plan in flight samples; every output stays exact."""
+    policy = make_policy(max_batch_size=16, pipeline_depth=2)
+    policy.worker_up("group", kv_blocks_total=200, kv_block_size=4, stages=stages)
+    prompts = {}
+    for index in range(12):
+        rec = record(f"r{index}", prompt_len=3 + index % 5, arrival=index, max_tokens=3 + index % 4,
+                     first_token=300 + index)
+        policy.add_request(rec)
+        prompts[rec.request_id] = rec.prompt_token_ids
+    worker, outputs, reasons = FakeWorker(prompts), defaultdict(list), {}
+    first = policy.next_plan("group")
+    assert len(first.items) == 12, "all admitted at once, prefilled in one plan"
+    assert policy.next_plan("group") is None, "every request's first token is on its way"
+    collect(policy.on_result(worker.run(first)), outputs, reasons)
+    lanes = [policy.next_plan("group") for _ in range(stages)]
+    assert policy.next_plan("group") is None, "one plan per stage"
+    requests = [{item.request_id for item in plan.items} for plan in lanes]
+    assert set().union(*requests) == set(prompts) and all(len(lane) == 12 // stages for lane in requests), requests
+    assert not any(item.feeds_sampled for plan in lanes for item in plan.items)
+    follows = []
+    for plan in lanes:  # each lane's next plan follows its own result, with the same requests
+        collect(policy.on_result(worker.run(plan)), outputs, reasons)
+        follow = policy.next_plan("group")
+        assert {item.request_id for item in follow.items} == {item.request_id for item in plan.items
+                                                              if item.request_id not in reasons}
+        follows.append(follow)
+    rest, rest_reasons, depth_seen = drive_pipelined(policy, {"group": worker}, sent={"group": follows})
+    assert depth_seen <= stages
+    for request_id, tokens in rest.items():
+        outputs[request_id].extend(tokens)
+    for index in range(12):
+        assert outputs[f"r{index}"] == expected_output(f"r{index}", 3 + index % 4)
+
+
 # Pipelining: the next plan is sent while the one before runs
 
 

@@ -23,7 +23,7 @@ import torch
 from tests.checkpoints import save_checkpoint, transformers_model
 from tests.cluster import Cluster
 from tests.requirements import import_or_skip
-from tests.test_chaos import Output, Spec, session, stream_request, until, until_kv_all_free
+from tests.test_chaos import Output, Spec, iteration_records, session, stream_request, until, until_kv_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 MODEL = "smollm2-135m-instruct"
@@ -132,6 +132,20 @@ async def cancel_half(cluster: Cluster, prompts: list[str], max_tokens: int) -> 
     return outputs
 
 
+def check_stages_overlapped(cluster: Cluster) -> None:
+    """Two stages ran two plans at once (Orca's figure 8): the group's plans, each timed by the
+    worker from its first stage's start to its tokens' return, add up to more than the time they
+    spanned (one after the other, they could not), and plans in flight together shared no request."""
+    records = [record for record in iteration_records(cluster) if record.request_ids]
+    busy = sum(record.step_seconds for record in records)
+    spanned = max(record.finished_at for record in records) - min(record.started_at for record in records)
+    assert busy > 1.2 * spanned, (busy, spanned)
+    plans = sorted(records, key=lambda record: record.plan_id)
+    for earlier, later in zip(plans, plans[1:]):
+        if later.started_at < earlier.finished_at:
+            assert not set(earlier.request_ids) & set(later.request_ids), (earlier, later)
+
+
 def test_a_pipeline_parallel_group_answers_as_one_engine_through_cancellations_and_a_rank_dying(engine_alone,
                                                                                                 tokenizer):
     prompts = PROMPTS + ["The capital of France is", "A recipe for pancakes:\n1."]
@@ -147,6 +161,7 @@ def test_a_pipeline_parallel_group_answers_as_one_engine_through_cancellations_a
                 assert outputs[prompt].text == expected_text(engine_alone, tokenizer, prompt, 48)
             else:
                 assert outputs[prompt].finish_reason == "cancelled" and len(outputs[prompt].pieces) < 48
+        check_stages_overlapped(cluster)
 
         expected = {prompt: expected_text(engine_alone, tokenizer, prompt, 50) for prompt in PROMPTS}
         kill_a_rank_while_it_runs(cluster, group, PROMPTS, 50, expected)

@@ -39,10 +39,12 @@ def _get_json(url: str, timeout: float = 3.0) -> tuple[int, dict]:
 class ServerProcess:
     def __init__(self, *, policy: str = "iteration", workers: int = 1, kv_blocks: int = 2048,
                  threads: int | None = None, extra_args: tuple[str, ...] = (), log_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, checkout: Path = REPO) -> None:
+        """checkout: the source tree to run (another checkout: an earlier version side by side)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.policy, self.workers, self.kv_blocks, self.threads = policy, workers, kv_blocks, threads
+        self.checkout = checkout
         self.data_dir = tempfile.mkdtemp(prefix="iterserve-bench-")
         self.log_path = log_path or Path(self.data_dir) / "up.log"
         self.command = [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--workers", str(workers),
@@ -73,7 +75,7 @@ class ServerProcess:
             raise RuntimeError("this system is already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=self._log_file,
+        self.process = subprocess.Popen(self.command, cwd=self.checkout, env=self.env, stdout=self._log_file,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=die_with_parent)
         try:

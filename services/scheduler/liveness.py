@@ -62,7 +62,7 @@ class WorkerLiveness:
                 self.policy.worker_down(worker_id)
                 self.codecs.pop(worker_id, None)
             if worker_id not in self.policy.worker_ids:
-                self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size)
+                self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size, info.pipeline_stages)
             self._started_at[worker_id] = info.started_at
             self.policy.set_draining(worker_id, info.draining)
         for worker_id in self.policy.worker_ids:

@@ -16,6 +16,8 @@ worker never waits on Redis and this bookkeeping. A request whose token is being
 plan in flight steps again in the next plan with `feeds_sampled`: the worker feeds the token it
 sampled itself. Requests that will have reached max_tokens or the context are not planned
 again; one that ends on a stop token (or a cancel) costs at most that one speculative step.
+A worker group of M pipeline stages has M plans in flight, each of about 1/M of its requests
+and none of another's (Orca's figure 8: each stage runs a different iteration).
 
 Prefix caching (services/scheduler/prefix_cache.py): this policy keeps an exact copy of each
 worker's cache of full KV blocks, named by hashes of their contents. A request admitted to a worker
@@ -252,18 +254,27 @@ class SchedulerPolicy:
 
     # Workers
 
-    def worker_up(self, worker_id: str, kv_blocks_total: int, kv_block_size: int) -> None:
+    def worker_up(self, worker_id: str, kv_blocks_total: int, kv_block_size: int, stages: int = 1) -> None:
         worker = self._workers.get(worker_id)
         if worker is not None:
-            if (worker.kv_blocks_total, worker.kv_block_size) == (kv_blocks_total, kv_block_size):
+            if (worker.kv_blocks_total, worker.kv_block_size, worker.stages) == (kv_blocks_total, kv_block_size,
+                                                                                 stages):
                 return
             self.worker_down(worker_id)  # a different cache: a different worker under the same name
         # Its first plan says free_all: back after being given up on (e.g. heartbeats lost in a Redis
         # outage) it may still hold KV of requests that moved on; it holds nothing of ours yet.
-        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size, free_all=True)
+        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size, free_all=True, stages=stages)
         self._workers[worker_id] = worker
-        log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d",
-                 worker_id, kv_blocks_total, kv_block_size)
+        log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d stages=%d",
+                 worker_id, kv_blocks_total, kv_block_size, stages)
+
+    @property
+    def max_depth(self) -> int:
+        return max([self.pipeline_depth, *(self.depth(worker) for worker in self._workers.values())])
+
+    def depth(self, worker: WorkerState) -> int:
+        """Plans a worker may have in flight: pipeline_depth, and at least one per pipeline stage."""
+        return max(self.pipeline_depth, worker.stages)
 
     def worker_down(self, worker_id: str) -> list[str]:
         """Forget a worker; its requests wait again (FCFS place kept), to be rebuilt elsewhere."""
@@ -342,7 +353,7 @@ class SchedulerPolicy:
         """Workers that can take another plan (fewer than pipeline_depth in flight): the fewest in
         flight first, then the most free KV (it gets the oldest waiting request when several plan
         at once)."""
-        idle = [worker for worker in self._workers.values() if len(worker.in_flight) < self.pipeline_depth]
+        idle = [worker for worker in self._workers.values() if len(worker.in_flight) < self.depth(worker)]
         idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_available, worker.worker_id))
         return [worker.worker_id for worker in idle]
 
@@ -352,7 +363,7 @@ class SchedulerPolicy:
         """The worker's next iteration, or None while pipeline_depth plans are in flight or it has
         nothing to do."""
         worker = self._workers.get(worker_id)
-        if worker is None or len(worker.in_flight) >= self.pipeline_depth:
+        if worker is None or len(worker.in_flight) >= self.depth(worker):
             return None
         batch = _Batch(worker, budget=self.max_batch_tokens)
         forming = not worker.running  # the request policy admits only into an empty worker
@@ -434,13 +445,16 @@ class SchedulerPolicy:
         """Running requests step first: decodes (one token each), then prefill chunks, FCFS."""
         worker = batch.worker
         order = sorted(worker.running.values(), key=lambda state: (not state.is_decoding, state.fcfs_key))
+        # Pipeline stages: the requests whose token is not on its way, in lanes of about 1/stages
+        # of the worker's requests, so each stage has a plan's worth while the others run theirs.
+        lane = -(-len(worker.running) // worker.stages) if worker.stages > 1 else len(worker.running)
         for state in order:
-            if batch.budget <= 0:
+            if batch.budget <= 0 or len(batch.chunks) >= lane:
                 break
             if state.request_id not in worker.running or state.pending_tokens <= 0:
                 continue  # preempted to make room for an older one
-            if self._ends_in_flight(state):
-                continue  # its last token is being sampled
+            if self._ends_in_flight(state) or (worker.stages > 1 and state.in_flight_samples):
+                continue  # its last token is being sampled, or (stages) its next input
             chunk = min(state.pending_tokens, batch.budget)
             if self._make_room(batch, state, state.computed + chunk):
                 batch.chunks[state.request_id] = chunk

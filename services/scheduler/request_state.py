@@ -117,6 +117,9 @@ class WorkerState:
     to_evict: list[bytes] = field(default_factory=list)
     in_flight: list[PlanInFlight] = field(default_factory=list)  # oldest first; the worker runs them in order
     last_result_at: float = 0.0
+    # A worker group of several pipeline stages runs that many plans at once: each of different
+    # requests (a request's next token needs its last), about 1/stages of them each (Orca fig. 8).
+    stages: int = 1
 
     @property
     def kv_blocks_free(self) -> int:

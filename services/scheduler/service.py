@@ -177,11 +177,12 @@ class SchedulerService:
 
     def _dispatch(self) -> None:
         """Write the results of request-level batches that are done, then send every plan the
-        workers can take now: with pipelining, up to pipeline_depth each."""
+        workers can take now: with pipelining, up to pipeline_depth each (a worker group of
+        several pipeline stages: one per stage)."""
         started = time.process_time()
         self.link.writes.extend(self.holding.release_finished_batches(self.policy))
         self.phase_cpu["fanout"] += time.process_time() - started
-        for _ in range(self.policy.pipeline_depth):
+        for _ in range(self.policy.max_depth):
             if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):
                 break
         started = time.process_time()

@@ -14,7 +14,9 @@ only host synchronisation in a step is fetching the sampled tokens at its end.
 
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -68,6 +70,25 @@ DECODE_WORKSPACE_TOKENS = 65536
 MAX_BATCH_SIZE = 64
 
 
+@dataclass(eq=False)
+class _AwaitedTokens:
+    """A step's sampled tokens on their way back from the last pipeline stage, and whose they are."""
+
+    request_ids: list[str]
+    rows: np.ndarray
+    serials: np.ndarray  # the rows' serials at the step: a row given up since is left alone
+    output_indices: np.ndarray
+    params: list["SamplingParams"]
+    work: Any  # the receive, posted at the step
+    buffer: torch.Tensor
+    received: bool = False
+
+    def wait(self) -> None:
+        if not self.received:  # (a gloo receive waited on twice waits for another message)
+            self.work.wait()
+            self.received = True
+
+
 class Engine(RequestRows):
     def __init__(self, model: Llama, kv_cache: PagedKVCache, attention: AttentionMode = "batched",
                  decode_workspace_tokens: int = DECODE_WORKSPACE_TOKENS, max_batch_size: int = MAX_BATCH_SIZE,
@@ -89,6 +110,13 @@ class Engine(RequestRows):
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
         self.graphs = (DecodeGraphs(model, kv_cache, self.max_rows, capture=device.type == "cuda")
                        if static_decode else None)
+        # A pipeline stage before the last (services/worker/parallel.py) has no logits: the last
+        # stage samples and sends each step's tokens back. They are taken at the end of the step,
+        # or, with defer_sampled (a worker group overlapping its stages), by take_sampled later.
+        self.samples = getattr(model, "samples", True)
+        self.sends_sampled = hasattr(model, "send_sampled") and model.layout.pipeline > 1
+        self.defer_sampled = False
+        self._awaiting: deque[Any] = deque()  # per step run here, oldest first: what take_sampled takes
 
     @classmethod
     def from_settings(cls, settings: "Settings") -> "Engine":
@@ -185,8 +213,46 @@ class Engine(RequestRows):
         columns = self.columns(items, outcome)
         if columns is not None:
             self._run(columns, outcome, return_logits)
+        elif not self.samples:
+            self._await_sampled(None, outcome)
         outcome.seconds = time.perf_counter() - started
         return outcome
+
+    def _await_sampled(self, entry: tuple | None, outcome: StepOutcome) -> None:
+        self._awaiting.append(entry)
+        if not self.defer_sampled:
+            self.take_sampled(outcome)
+
+    def take_sampled(self, outcome: StepOutcome | None = None) -> StepOutcome:
+        """A stage before the last: the oldest step's tokens as the last stage sampled them, noted
+        as if sampled here (not on a row given up, or given to another request, since that step)."""
+        outcome = outcome if outcome is not None else StepOutcome()
+        if self.samples:  # the last stage: it has its tokens already
+            return outcome
+        entry = self._awaiting.popleft()
+        if entry is None:
+            return outcome
+        from services.worker.parallel import SampledBack
+
+        entry.wait()
+        rows, params = entry.rows, entry.params
+        back = SampledBack.unpack(entry.buffer, any(getattr(value, "logprobs", -1) >= 0 for value in params))
+        tokens = back.token_ids.cpu().numpy()
+        kept = np.flatnonzero(self._row_serial[rows] == entry.serials)
+        self._last_output_index[rows[kept]] = entry.output_indices[kept]
+        self._last_token_host[rows[kept]] = tokens[kept]
+        if kept.size:
+            self.last_token.index_copy_(0, torch.from_numpy(rows[kept]).to(self.last_token.device),
+                                        back.token_ids[torch.from_numpy(kept).to(back.token_ids.device)])
+        outcome.tokens = dict(zip(entry.request_ids, tokens.tolist()))
+        if back.logprob is not None:
+            self._take_logprobs(back, entry.request_ids, params, outcome)
+        return outcome
+
+    def wait_sampled(self) -> None:
+        """Until the oldest step's tokens are back (from any thread: take_sampled then has them)."""
+        if self._awaiting and self._awaiting[0] is not None:
+            self._awaiting[0].wait()
 
     def _run(self, columns: StepColumns, outcome: StepOutcome, return_logits: bool) -> None:
         device, kv_cache, stage = self.model.device, self.kv_cache, self._staging.to_device
@@ -226,12 +292,24 @@ class Engine(RequestRows):
             raise
         kv_cache.lengths[rows] = starts + counts
         self._remember_fed(columns)
-        if not sampled.any():
-            return
         sampled_rows = rows[sampled]
         output_indices = np.asarray(columns.output_indices, dtype=np.int64)[sampled]
+        if logits is None:  # a stage before the last: its tokens come from the last stage
+            entry = None
+            if sampled_rows.size:
+                entry = _AwaitedTokens(
+                    [request_id for request_id, sample_it in zip(columns.request_ids, columns.sample) if sample_it],
+                    sampled_rows, self._row_serial[sampled_rows].copy(), output_indices,
+                    [self._params[row] for row in sampled_rows.tolist()],
+                    *self.model.receive_sampled(int(sampled_rows.size)))
+            self._await_sampled(entry, outcome)
+            return
+        if not sampled.any():
+            return
         sampling_rows = self._sampling.rows(sampled_rows, output_indices, config.vocab_size)
         result = sample(logits, sampling_rows, self._penalty_history(sampled_rows, output_indices, device))
+        if self.sends_sampled:
+            self.model.send_sampled(result)
         self.last_token.index_copy_(0, stage("sampled_rows", sampled_rows), result.token_ids)
         tokens = result.token_ids.cpu().numpy()  # the step's one synchronisation
         request_ids = self.sampled(columns, tokens)

@@ -3,23 +3,24 @@
 `iterserve worker --tensor-parallel N --pipeline-parallel M` is rank 0: the worker the scheduler
 knows (its heartbeat, its plans, its results), with the group's KV capacity. It starts ranks
 1..NM-1 as child processes on torch.distributed (gloo on the CPU, NCCL on CUDA: each rank its own
-device) and hands every change it makes to its engine to them too, in order, as a broadcast
-command (reset, take a plan's frees and cache commands, step, free): each rank then holds the same
-rows and block tables over its own share of the KV, and a step's collectives and stage-to-stage
-sends (services/worker/parallel.py) keep the ranks in lockstep; every rank samples the same token
-from the same full logits.
+device) and hands every change it makes to its engine to them too, in order, as a command on each
+rank's queue (reset, take a plan's frees and cache commands, step, free, take sampled tokens):
+each rank then holds the same rows and block tables over its own share of the KV, and a step's
+collectives and stage-to-stage sends (services/worker/parallel.py) carry its data.
 
-The stages run one step at a time: a step passes through them in turn, so a group of M stages
-holds M times the layers of one device, not M steps at once (Orca's figure 8 overlaps M batches
-of disjoint requests; here a plan's requests are fed their previous token by the plan after it,
-which would have to wait anyway).
+With one stage every rank samples the same token from the same full logits, in lockstep. With M
+stages the stages overlap (Orca's figure 8): rank 0 runs the first stage of a step and goes on to
+the next plan's (`launch`) while the later stages work on this one; the last stage samples and
+sends the tokens back, and rank 0 takes them (`finish`) and answers the plan. The scheduler keeps
+M plans in flight for such a worker, with disjoint requests (a request's next token needs the
+last one); a plan that does feed a token still on its way waits for it (services/worker/service.py).
 
 Faults: the death of any rank is the death of the group's worker. A rank that exits is seen by
 rank 0 within MONITOR_SECONDS, and rank 0 exits at once (its heartbeat stops: the scheduler moves
 its requests, token-exact, as for a killed worker); the other ranks die with their parent
 (PR_SET_PDEATHSIG). The model's collectives time out after COLLECTIVE_TIMEOUT, so no rank hangs
-in one; the command channel has no such timeout (an idle worker sends nothing for as long as
-it likes), rank 0's death being signalled by the kernel instead.
+in one; the command queues have no such timeout (an idle worker sends nothing for as long as it
+likes), rank 0's death being signalled by the kernel instead.
 """
 
 import ctypes
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("iterserve.worker")
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-COMMAND_TIMEOUT = timedelta(days=7)  # the command channel: idle for as long as the worker is
 MONITOR_SECONDS = 0.2
 PR_SET_PDEATHSIG = 1
 
@@ -61,20 +61,17 @@ def _rank_settings(settings: "Settings", rank: int) -> "Settings":
     return settings.model_copy(update={"device": device})
 
 
-def _join(rank: int, layout: "Layout", address: str, device: str) -> "dist.ProcessGroup":
-    """Join the group; returns the command channel (the default group and the stages' groups carry
-    the model's collectives)."""
+def _join(rank: int, layout: "Layout", address: str, device: str) -> None:
+    """Join the group (the default group and the stages' groups carry the model's collectives)."""
     from services.worker.parallel import make_tensor_groups
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=layout.world,
                             timeout=COLLECTIVE_TIMEOUT)
-    channel = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     make_tensor_groups(layout)
-    return channel
 
 
-def _follower(rank: int, address: str, settings_json: str) -> None:
+def _follower(rank: int, address: str, settings_json: str, commands: "multiprocessing.Queue") -> None:
     """Ranks 1..NM-1: load the shard, then do what rank 0 did, command by command, for as long as rank 0
     lives (they die with it)."""
     from services.worker.engine import Engine
@@ -89,12 +86,12 @@ def _follower(rank: int, address: str, settings_json: str) -> None:
     settings = Settings.model_validate_json(settings_json)
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s %(levelname)s iterserve.rank{rank} %(message)s")
     torch.set_num_threads(max(1, settings.threads))
-    channel = _join(rank, Layout(settings.tensor_parallel, settings.pipeline_parallel), address, settings.device)
+    layout = Layout(settings.tensor_parallel, settings.pipeline_parallel)
+    _join(rank, layout, address, settings.device)
     engine = Engine.from_settings(settings)
-    box: list[Any] = [None]
+    engine.defer_sampled = layout.pipeline > 1
     while True:
-        dist.broadcast_object_list(box, src=0, group=channel)
-        name, *arguments = box[0]
+        name, *arguments = commands.get()
         try:
             getattr(engine, name)(*arguments)
         except CacheMismatch:
@@ -106,9 +103,11 @@ class EngineGroup:
 
     executor = "engine"
 
-    def __init__(self, engine, channel: "dist.ProcessGroup", followers: list[multiprocessing.Process],
+    def __init__(self, engine, commands: list["multiprocessing.Queue"], followers: list[multiprocessing.Process],
                  layout: "Layout"):
-        self.engine, self.channel, self.followers, self.layout = engine, channel, followers, layout
+        self.engine, self.commands, self.followers, self.layout = engine, commands, followers, layout
+        self.stages = layout.pipeline  # plans it runs at once, one per stage
+        engine.defer_sampled = layout.pipeline > 1
         self.device_name = f"{engine.device_name} x{layout.world} ({layout.describe()})"
         self._monitor = threading.Thread(target=self._watch, name="group-monitor", daemon=True)
         self._monitor.start()
@@ -124,7 +123,8 @@ class EngineGroup:
         return kv_bytes_per_token(self.engine.model.full_config, self.layout, element_size)
 
     def _send(self, *command: Any) -> None:
-        dist.broadcast_object_list([command], src=0, group=self.channel)
+        for queue in self.commands:
+            queue.put(command)
 
     def _together(self, name: str, *arguments: Any) -> Any:
         """The command on every rank; a collective that fails because a rank died says so."""
@@ -142,7 +142,18 @@ class EngineGroup:
         self._together("take_plan", plan)
 
     def step(self, items, return_logits: bool = False):
+        """One stage: the whole step. Several: its first stage only (the tokens come with finish)."""
         return self._together("step", items, return_logits)
+
+    def finish(self, outcome):
+        """Several stages: the oldest step's tokens from the last stage, into its outcome (every
+        earlier rank notes them too)."""
+        try:
+            self._send("take_sampled")
+            return self.engine.take_sampled(outcome)
+        except Exception:
+            self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
+            raise
 
     def free(self, request_id: str) -> None:
         self._together("free", request_id)
@@ -193,13 +204,15 @@ def start_group(settings: "Settings") -> EngineGroup:
                                                "kv_memory_fraction": 0.0})
     address = f"127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")
+    commands = [context.Queue() for _ in range(1, layout.world)]
     followers = [context.Process(target=_follower, name=f"rank{rank}", daemon=True,
-                                 args=(rank, address, _rank_settings(settings, rank).model_dump_json()))
+                                 args=(rank, address, _rank_settings(settings, rank).model_dump_json(),
+                                       commands[rank - 1]))
                  for rank in range(1, layout.world)]
     for follower in followers:
         follower.start()
     rank_settings = _rank_settings(settings, 0)
-    channel = _join(0, layout, address, rank_settings.device)
+    _join(0, layout, address, rank_settings.device)
     engine = Engine.from_settings(rank_settings)
     log.info("event=group_ready world=%d layout=%r backend=%s", layout.world, layout.describe(), dist.get_backend())
-    return EngineGroup(engine, channel, followers, layout)
+    return EngineGroup(engine, commands, followers, layout)

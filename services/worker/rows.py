@@ -62,6 +62,10 @@ class RequestRows:
         # that sampled it is done); a pipelined plan feeds that token.
         self._last_output_index = np.full(self.max_rows, -1, dtype=np.int64)
         self._last_token_host = np.zeros(self.max_rows, dtype=np.int64)
+        # Which request a row holds, as a number that changes whenever a row is given: a step's
+        # tokens that arrive late (a pipeline's last stage) touch only rows still holding them.
+        self._row_serial = np.zeros(self.max_rows, dtype=np.int64)
+        self._serials_given = 0
 
     def add_request(self, request_id: str, sampling: "SamplingParams") -> None:
         """Give a request a row (or new sampling parameters, if it has one)."""
@@ -73,6 +77,8 @@ class RequestRows:
             row = self._free_rows.pop()
             self._row_of[request_id] = row
             self._request_of[row] = request_id
+            self._serials_given += 1
+            self._row_serial[row] = self._serials_given
         self._refused.pop(request_id, None)
         self._params[row] = sampling
         self._row_added(row, sampling)
@@ -89,6 +95,7 @@ class RequestRows:
         self._free_kv(row)
         self._request_of[row] = self._params[row] = None
         self._last_output_index[row] = -1
+        self._row_serial[row] = 0
         self._row_freed(row)
         self._free_rows.append(row)
 

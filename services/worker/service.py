@@ -25,6 +25,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
@@ -81,6 +82,13 @@ class Worker:
         self._reading_stop = asyncio.Event()
         self._publishing: asyncio.Task | None = None  # the last result's publish
         self._consecutive_oom = 0
+        # A worker group of several pipeline stages runs up to `stages` plans at once: each launched
+        # in the engine's own thread (one at a time, in order), finished when the last stage's
+        # tokens are back (services/worker/group.py).
+        self.stages = getattr(engine, "stages", 1)
+        self._engine_thread = ThreadPoolExecutor(1, "engine") if self.stages > 1 else None
+        self._sampling_in_flight: list[set[str]] = []  # per plan launched and not finished: who samples
+        self._busy_until = 0.0  # monotonic: the end of the busy time already counted
         self.reader = PlanReader()  # the handles the scheduler gave this worker's requests
         served = served_models(settings)[0]  # a worker serves one model, in its model's pool of keys
         self.model_name, self.keys = served.name, served.keys
@@ -95,7 +103,7 @@ class Worker:
             started_at=self.started_at, heartbeat_at=time.time(), executor=self.engine.executor,
             hardware=self.engine.profile.name if self.engine.executor == "emulated" else "",
             busy_seconds=self.busy_seconds, model=self.model_name, weights_sha256=self.weights_sha256,
-            kv_bytes_per_token=getattr(self.engine, "kv_bytes_per_token", 0),
+            kv_bytes_per_token=getattr(self.engine, "kv_bytes_per_token", 0), pipeline_stages=self.stages,
         )
 
     async def beat(self) -> None:
@@ -120,6 +128,12 @@ class Worker:
 
     def execute(self, decoded: DecodedPlan) -> tuple[bytes, StepOutcome]:
         """Run a plan: its result on the wire, and the step's outcome."""
+        outcome = self.launch(decoded)
+        return self._encode(decoded, outcome), outcome
+
+    def launch(self, decoded: DecodedPlan) -> StepOutcome:
+        """A plan's changes and its step (with pipeline stages: the step's first stage; a refused
+        plan's outcome has its errors set and no step)."""
         plan = decoded.plan
         if plan.scheduler_epoch != self.scheduler_epoch:
             if self.scheduler_epoch:
@@ -136,10 +150,8 @@ class Worker:
             # trusted. Drop everything; the scheduler starts this worker over on seeing the code.
             log.error("event=cache_mismatch worker=%s plan=%d error=%s", self.worker_id, plan.plan_id, mismatch)
             self.engine.reset()
-            outcome = self.failed(plan, "cache_mismatch", str(mismatch))
-            return self._encode(decoded, outcome), outcome
-        outcome = self.engine.step(plan.items)
-        return self._encode(decoded, outcome), outcome
+            return self.failed(plan, "cache_mismatch", str(mismatch))
+        return self.engine.step(plan.items)
 
     def _encode(self, decoded: DecodedPlan, outcome: StepOutcome) -> bytes:
         kv = self.engine.kv_cache
@@ -248,6 +260,9 @@ class Worker:
             log.warning("event=duplicate_plan worker=%s entry=%s", self.worker_id, entry_id)
             return
         plan = decoded.plan
+        if self.stages > 1:
+            await self._launch_staged(decoded, stream, entry_id)
+            return
         try:
             result, outcome = await asyncio.to_thread(self.execute, decoded)
             self.busy_seconds += outcome.seconds
@@ -264,15 +279,61 @@ class Worker:
                 raise EngineBroken(f"{self._consecutive_oom} steps in a row ran out of memory") from failure
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
             result = self._encode(decoded, outcome)
+        self._log_refusals(decoded, outcome)
+        if self._publishing is not None:  # results go out in order: the previous one had a whole step to go
+            await self._publishing
+        self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan.plan_id))
+
+    async def _launch_staged(self, decoded: DecodedPlan, stream: str, entry_id: bytes) -> None:
+        """Pipeline stages: start the plan's step and return (the next plan's first stage may run
+        while this one's later stages do); its result goes out when its tokens are back, in order.
+        A plan that feeds a token still in the pipeline waits for every plan before it first."""
+        plan = decoded.plan
+        if self._publishing is not None and self._publishing.done() and self._publishing.exception():
+            raise EngineBroken(f"a plan could not finish: {self._publishing.exception()!r}")
+        sampling = {item.request_id for item in plan.items if item.sample}
+        if self._publishing is not None and any(item.request_id in sampled for item in plan.items
+                                                for sampled in self._sampling_in_flight):
+            try:
+                await self._publishing
+            except Exception as failure:
+                raise EngineBroken(f"a plan could not finish: {failure!r}") from failure
+        loop = asyncio.get_running_loop()
+        launched_at = time.monotonic()
+        try:
+            outcome = await loop.run_in_executor(self._engine_thread, self.launch, decoded)
+        except Exception as failure:  # a group's ranks are in the middle of the step: no retrying it
+            raise EngineBroken(f"a step raised {type(failure).__name__}: {failure}") from failure
+        stepped = not any(error.code == "cache_mismatch" for error in outcome.errors)  # (else no step ran)
+        self._sampling_in_flight.append(sampling)
+        self._publishing = asyncio.create_task(self._finish_staged(self._publishing, decoded, outcome, stepped,
+                                                                   launched_at, stream, entry_id))
+
+    async def _finish_staged(self, previous: asyncio.Task | None, decoded: DecodedPlan, outcome: StepOutcome,
+                             stepped: bool, launched_at: float, stream: str, entry_id: bytes) -> None:
+        if previous is not None:  # plans finish, and their results go out, in order
+            await previous
+        try:
+            if stepped:
+                await asyncio.to_thread(self.engine.wait_sampled)  # not in the engine's thread: it launches on
+                outcome = await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.finish,
+                                                                           outcome)
+        finally:
+            self._sampling_in_flight.pop(0)
+        now = time.monotonic()
+        outcome.seconds = now - launched_at  # through every stage
+        self.busy_seconds += now - max(launched_at, self._busy_until)  # overlapping plans counted once
+        self._busy_until = now
+        self._log_refusals(decoded, outcome)
+        await self._publish(self._encode(decoded, outcome), stream, entry_id, decoded.plan.plan_id)
+
+    def _log_refusals(self, decoded: DecodedPlan, outcome: StepOutcome) -> None:
         for error in outcome.errors:
             log.warning("event=item_error worker=%s request=%s code=%s message=%s", self.worker_id,
                         error.request_id, error.code, error.message)
         for handle, message in decoded.unknown:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
-        if self._publishing is not None:  # results go out in order: the previous one had a whole step to go
-            await self._publishing
-        self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan.plan_id))
 
     async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
         """The result, and the plan stream trimmed up to its plan (nobody else reads it)."""
