@@ -67,9 +67,10 @@ class Spec:
     seed: int
     temperature: float = 0.0
     ignore_eos: bool = False
+    model: str = MODEL
 
     def body(self, stream: bool) -> dict:
-        body = {"model": MODEL, "prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
+        body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
                 "temperature": self.temperature, "stream": stream}
         if self.temperature:
             body["top_p"] = 0.95

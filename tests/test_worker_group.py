@@ -4,8 +4,8 @@ SmolLM2-135M has 9 attention heads and 3 KV heads, so it splits 3 ways (one KV h
 `--tensor-parallel 2` is refused at start with the reason; its 30 layers split into 2 stages.
 A group answers what the single-process engine answers, also while some of its requests are
 cancelled; the death of one of its ranks is the death of its worker, and the requests it ran
-finish on another worker, token-exact. Tensor x pipeline (2 x 2) runs on a tiny Llama checkpoint
-with 4 heads, against transformers."""
+finish on another worker, token-exact. Tensor parallel 2, and tensor x pipeline (2 x 2), run on a
+tiny Llama checkpoint with 4 heads, against transformers, through cancellations and a rank dying."""
 
 import asyncio
 import concurrent.futures
@@ -44,8 +44,8 @@ def post(base_url: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def complete(base_url: str, prompt: str, max_tokens: int) -> dict:
-    return post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+def complete(base_url: str, prompt: str, max_tokens: int, model: str = MODEL) -> dict:
+    return post(base_url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                               "temperature": 0, "ignore_eos": True})
 
 
@@ -95,33 +95,47 @@ def test_a_split_that_does_not_fall_on_whole_heads_is_refused_at_start():
     assert "tensor parallel size 2 does not divide 9 attention heads, 3 KV heads" in completed.stderr
 
 
-def kill_a_rank_while_it_runs(cluster: Cluster, group, prompts: list[str], max_tokens: int, expected: dict) -> None:
-    """Requests running on the group, a single-process worker joins, one of the group's ranks dies:
-    the group's worker exits and its requests finish on the other worker, token-exact."""
+def kill_a_rank_while_it_runs(cluster: Cluster, group, prompts: list[str], max_tokens: int, expected: dict | None,
+                              model: str = MODEL, rank: int = -1) -> list[str]:
+    """Requests running on the group, one of the group's ranks is SIGKILLed (the last, or with
+    rank=0 the group's worker itself): the group is gone, and its requests, waiting meanwhile,
+    finish on a single-process worker started then, token-exact (against `expected`, or, when None,
+    against the same requests run on that worker alone afterwards)."""
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(complete, cluster.base_url, prompt, max_tokens) for prompt in prompts]
+        futures = [pool.submit(complete, cluster.base_url, prompt, max_tokens, model) for prompt in prompts]
         deadline = time.monotonic() + 60
         while not any(w["running"] == len(prompts) for w in status(cluster)["workers"]):
             assert time.monotonic() < deadline, "the group never ran the requests"
-            time.sleep(0.1)
+            time.sleep(0.05)
+        others = ranks_of(psutil.Process(group.process.pid))
+        if rank == 0:  # the others die with it (PR_SET_PDEATHSIG)
+            group.process.kill()
+            assert group.process.wait(timeout=30) == -9
+            gone, alive = psutil.wait_procs(others, timeout=30)
+            assert not alive, f"ranks outlived the group's worker: {alive}"
+        else:
+            others[rank].kill()
+            assert group.process.wait(timeout=30) == 3, "the group's worker did not stop with its rank"
+            assert "event=group_rank_died" in cluster.log(group.name)
         single = cluster.start_worker()
-        cluster.wait_ready(2)
-        ranks_of(psutil.Process(group.process.pid))[-1].kill()
         answers = [future.result(timeout=240) for future in futures]
-    assert [answer["choices"][0]["text"] for answer in answers] == [expected[prompt] for prompt in prompts]
-    assert group.process.wait(timeout=30) == 3, "the group's worker did not stop with its rank"
-    assert "event=group_rank_died" in cluster.log(group.name)
     moved = [line for _, line in cluster.log_events("scheduler", "admitted request_id=")
              if f"worker_id={single.worker_id}" in line and "output_tokens=0" not in line]
     assert moved, "no request was rebuilt on the other worker after the rank died"
+    if expected is None:  # the single-process worker alone now: each request on it, one at a time
+        expected = {prompt: complete(cluster.base_url, prompt, max_tokens, model)["choices"][0]["text"]
+                    for prompt in prompts}
+    assert [answer["choices"][0]["text"] for answer in answers] == [expected[prompt] for prompt in prompts]
+    return [expected[prompt] for prompt in prompts]
 
 
-async def cancel_half(cluster: Cluster, prompts: list[str], max_tokens: int) -> dict[str, Output]:
+async def cancel_half(cluster: Cluster, prompts: list[str], max_tokens: int, model: str = MODEL) -> dict[str, Output]:
     """Every prompt streamed; every other one cancelled by DELETE once it has a few tokens."""
     outputs = {prompt: Output() for prompt in prompts}
     async with session() as http:
         clients = [asyncio.create_task(stream_request(http, cluster, Spec(f"r{index}", prompt, max_tokens, seed=index,
-                                                                          ignore_eos=True), outputs[prompt]))
+                                                                          ignore_eos=True, model=model),
+                                                      outputs[prompt]))
                    for index, prompt in enumerate(prompts)]
         for prompt in prompts[::2]:
             await until(lambda: len(outputs[prompt].pieces) >= 3, "a request's first tokens", 120)
@@ -167,8 +181,12 @@ def test_a_pipeline_parallel_group_answers_as_one_engine_through_cancellations_a
         kill_a_rank_while_it_runs(cluster, group, PROMPTS, 50, expected)
 
 
-def test_a_tensor_by_pipeline_group_answers_as_transformers(tmp_path):
-    """Four ranks, two stages of two, on a tiny Llama with 4 heads and 2 layers (one per stage)."""
+@pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
+def test_a_tensor_parallel_group_answers_as_transformers_through_cancellations_and_a_rank_dying(tmp_path, tensor,
+                                                                                                pipeline):
+    """Two ranks, or four (two stages of two), on a tiny Llama with 4 heads and 2 layers (one per
+    stage): chats as transformers answers them; then half of a batch cancelled, and a rank killed
+    mid-run, the other requests answering as one process does."""
     import_or_skip("transformers")
     from shared.tokenizer import Tokenizer
 
@@ -177,8 +195,10 @@ def test_a_tensor_by_pipeline_group_answers_as_transformers(tmp_path):
     tokenizer = Tokenizer.load(str(directory))
     conversations = [[{"role": "user", "content": text}] for text in ("Hello there", "Count: 1 2 3", "xyz")]
     with contextlib.closing(Cluster(workers=0, model=str(directory), served_model_name="tiny")) as cluster:
-        _, worker = start_group_alone(cluster, 4, ITERSERVE_TENSOR_PARALLEL="2", ITERSERVE_PIPELINE_PARALLEL="2")
-        assert worker["device"] == "cpu x4 (tensor parallel 2 x pipeline parallel 2)"
+        group, worker = start_group_alone(cluster, tensor * pipeline, ITERSERVE_TENSOR_PARALLEL=str(tensor),
+                                          ITERSERVE_PIPELINE_PARALLEL=str(pipeline))
+        assert worker["device"] == ("cpu x2 (tensor parallel 2)" if pipeline == 1 else
+                                    "cpu x4 (tensor parallel 2 x pipeline parallel 2)")
 
         def ask(messages: list[dict]) -> list[int]:
             answer = post(cluster.base_url, "/v1/chat/completions", {
@@ -188,6 +208,14 @@ def test_a_tensor_by_pipeline_group_answers_as_transformers(tmp_path):
 
         with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
             answers = list(pool.map(ask, conversations))
+
+        prompts = ["abc", "Hello, world", "1 2 3 4", "the quick brown fox", "zzz", "Once upon a time"]
+        outputs = asyncio.run(cancel_half(cluster, prompts, 200, model="tiny"))
+        assert all(outputs[prompt].finish_reason == "cancelled" for prompt in prompts[::2])
+        kept = prompts[1::2]
+        alone = kill_a_rank_while_it_runs(cluster, group, kept, 200, None, model="tiny",
+                                          rank=0 if pipeline == 1 else -1)  # the worker itself, or its last rank
+        assert [outputs[prompt].text for prompt in kept] == alone  # the run with cancellations, too
     for messages, answer in zip(conversations, answers, strict=True):
         prompt = tokenizer.encode_chat(messages)
         with torch.inference_mode():

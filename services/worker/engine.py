@@ -116,7 +116,7 @@ class Engine(RequestRows):
         self.samples = getattr(model, "samples", True)
         self.sends_sampled = hasattr(model, "send_sampled") and model.layout.pipeline > 1
         self.defer_sampled = False
-        self._awaiting: deque[Any] = deque()  # per step run here, oldest first: what take_sampled takes
+        self._awaiting: deque[_AwaitedTokens | None] = deque()  # per step run here, oldest first (None: no token)
 
     @classmethod
     def from_settings(cls, settings: "Settings") -> "Engine":
@@ -218,7 +218,7 @@ class Engine(RequestRows):
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def _await_sampled(self, entry: tuple | None, outcome: StepOutcome) -> None:
+    def _await_sampled(self, entry: _AwaitedTokens | None, outcome: StepOutcome) -> None:
         self._awaiting.append(entry)
         if not self.defer_sampled:
             self.take_sampled(outcome)

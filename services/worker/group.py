@@ -199,6 +199,9 @@ def start_group(settings: "Settings") -> EngineGroup:
     if settings.cuda_graphs:  # a captured step would replay without its collectives and sends
         log.warning("event=cuda_graphs_ignored reason=worker_group")
         settings = settings.model_copy(update={"cuda_graphs": False})
+    if settings.compile:  # the ranks' forward passes (collectives, sends between stages) run eager
+        log.warning("event=compile_ignored reason=worker_group")
+        settings = settings.model_copy(update={"compile": False})
     if settings.kv_memory_fraction > 0:  # every rank must hold the same number of blocks: rank 0's count
         settings = settings.model_copy(update={"kv_blocks": Engine.blocks_for_settings(settings),
                                                "kv_memory_fraction": 0.0})
