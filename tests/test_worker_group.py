@@ -181,6 +181,33 @@ def test_a_pipeline_parallel_group_answers_as_one_engine_through_cancellations_a
         kill_a_rank_while_it_runs(cluster, group, PROMPTS, 50, expected)
 
 
+def test_a_pipeline_parallel_group_goes_on_exactly_under_a_new_scheduler(engine_alone, tokenizer):
+    """The scheduler SIGKILLed while the group runs two plans at once, a new one started: its new
+    epoch makes the group drop everything (plans still in its stages included) and rebuild every
+    request from its tokens; each answers what the single-process engine answers."""
+    with contextlib.closing(Cluster(workers=0)) as cluster:
+        start_group_alone(cluster, 2, ITERSERVE_PIPELINE_PARALLEL="2")
+        outputs = {prompt: Output() for prompt in PROMPTS}
+
+        async def run() -> None:
+            async with session() as http:
+                clients = [asyncio.create_task(stream_request(http, cluster, Spec(f"r{index}", prompt, 40, seed=index,
+                                                                                  ignore_eos=True), outputs[prompt]))
+                           for index, prompt in enumerate(PROMPTS)]
+                await until(lambda: all(len(output.pieces) >= 6 for output in outputs.values()), "tokens", 120)
+                cluster.kill("scheduler")
+                await asyncio.sleep(0.5)
+                cluster.start("scheduler")
+                await asyncio.wait_for(asyncio.gather(*clients), 240)
+                await until_kv_all_free(cluster, timeout=30)
+
+        asyncio.run(run())
+        assert cluster.log_events("worker-1", "event=new_scheduler_epoch"), "the group never saw the new scheduler"
+    for prompt in PROMPTS:
+        assert outputs[prompt].finish_reason == "length"
+        assert outputs[prompt].text == expected_text(engine_alone, tokenizer, prompt, 40)
+
+
 @pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 def test_a_tensor_parallel_group_answers_as_transformers_through_cancellations_and_a_rank_dying(tmp_path, tensor,
                                                                                                 pipeline):
