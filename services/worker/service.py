@@ -5,8 +5,10 @@ so heartbeats go on), publish the PlanResult. Redis round trips overlap the step
 fetches the plans ahead into a small queue (the scheduler sends the next plan while one runs), and
 a step's result is published while the next step runs (in order: one publish in flight). Run one
 after the other, the two round trips and the thread hop left a GPU-speed step idle 3-4 ms per
-iteration (measured with emulated 26 ms steps: 88% busy). A heartbeat key with a TTL announces
-the worker; when the key expires the scheduler moves its requests elsewhere.
+iteration (measured with emulated 26 ms steps: 88% busy). A worker group of several pipeline
+stages (services/worker/group.py) starts a plan and reads the next while the plan's later stages
+run, and publishes each result, in order, when its tokens are back. A heartbeat key with a TTL
+announces the worker; when the key expires the scheduler moves its requests elsewhere.
 
 SIGTERM drains: the heartbeat says `draining` (the scheduler admits nothing new here and hands
 the running requests over to another worker, or lets them finish when there is none); the
