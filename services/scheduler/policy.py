@@ -24,8 +24,8 @@ worker's cache of full KV blocks, named by hashes of their contents. A request a
 starts after the longest prefix of it that worker holds; blocks a result confirms written are
 registered; idle cached blocks count as free room and are evicted, least recently used first,
 when a step needs them. Placement (`placement`): "least-loaded" sends a waiting request to the
-worker running the fewest requests (counting those already meant for it; ties: the most free KV),
-and an idle worker with room takes it rather than let it wait;
+worker running the fewest requests (counting those already meant for it; ties: the most free KV);
+the planning worker takes it instead only when that worker is busy and runs no fewer requests;
 "cache-aware" sends it to the worker holding the longest prefix of it, unless that prefix is less
 than `placement_threshold` of its tokens or that worker runs more than `placement_slack` requests
 more than the least loaded one (SGLang's router balances the same way), and falls back to
@@ -529,15 +529,16 @@ class SchedulerPolicy:
                     self._finished_without_token.append(state)
                     log.warning("request_id=%s needs more KV than any worker has", request_id)
                 continue
-            target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
-            as_loaded = len(target.running) + target_count >= len(worker.running)
-            if target is not worker and (pinned or not (target.in_flight and as_loaded
-                                                        and blocks <= worker.kv_blocks_available)):
+            if target is not worker:
                 # Meant for a worker that holds its prefix, or runs fewer requests, or as many with
                 # more free KV and plans soon; when that one is busy and no less loaded, the
                 # planning worker takes it if it has room rather than let it wait.
-                claimed[target.worker_id] = (target_blocks + target.blocks_for(state.total_tokens), target_count + 1)
-                continue
+                target_blocks, target_count = claimed.get(target.worker_id, (0, 0))
+                busy_and_no_less_loaded = target.in_flight and len(target.running) + target_count >= len(worker.running)
+                if pinned or not (busy_and_no_less_loaded and blocks <= worker.kv_blocks_available):
+                    claimed[target.worker_id] = (target_blocks + target.blocks_for(state.total_tokens),
+                                                 target_count + 1)
+                    continue
             cached = self._cached_prefix(worker, state)
             idle_cached = worker.cache.idle_among(state.block_chain[:cached]) if cached else 0
             if blocks - cached > worker.kv_blocks_available - idle_cached:

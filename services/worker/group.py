@@ -23,6 +23,7 @@ in one; the command queues have no such timeout (an idle worker sends nothing fo
 likes), rank 0's death being signalled by the kernel instead.
 """
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -31,6 +32,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -127,10 +129,16 @@ class EngineGroup:
             queue.put(command)
 
     def _together(self, name: str, *arguments: Any) -> Any:
-        """The command on every rank; a collective that fails because a rank died says so."""
-        try:
+        """The command on every rank."""
+        with self._a_dead_rank_stops_the_group():
             self._send(name, *arguments)
             return getattr(self.engine, name)(*arguments)
+
+    @contextlib.contextmanager
+    def _a_dead_rank_stops_the_group(self) -> Iterator[None]:
+        """A collective that fails because a rank died stops the group (else the error goes on)."""
+        try:
+            yield
         except Exception:
             self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
             raise
@@ -148,12 +156,9 @@ class EngineGroup:
     def finish(self, outcome):
         """Several stages: the oldest step's tokens from the last stage, into its outcome (every
         earlier rank notes them too)."""
-        try:
-            self._send("take_sampled")
+        with self._a_dead_rank_stops_the_group():
+            self._send("take_sampled")  # (the other ranks' outcomes go nowhere)
             return self.engine.take_sampled(outcome)
-        except Exception:
-            self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
-            raise
 
     def free(self, request_id: str) -> None:
         self._together("free", request_id)
