@@ -5,7 +5,7 @@ it enters a process. PROTOCOL_VERSION changes whenever a message changes shape.
 """
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,20 +86,20 @@ class NewRequest:
     cached_blocks: tuple[bytes, ...] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepItem:
-    """One request's share of an iteration."""
+class StepItem(NamedTuple):
+    """One request's share of an iteration. (A named tuple, not a frozen dataclass: one is made for
+    every request at every step, and a tuple costs a third as much to build.)"""
 
     request_id: str
     # Tokens fed this step: a chunk of the prompt (or of prompt + output when a request's
     # KV is rebuilt), or the one token sampled at the previous step.
     token_ids: tuple[int, ...]
-    # Pipelined plans: feed the token this worker sampled for the request at output_index - 1
-    # (in the plan before, still running when this one was planned); token_ids is then empty.
-    feeds_sampled: bool = False
     start_position: int  # tokens of this request already in the worker's KV (0 .. 2**31)
     sample: bool  # this step reaches the last known token: sample the next one
     output_index: int  # index of the token sampled (its seeded randomness; 0 .. 2**31)
+    # Pipelined plans: feed the token this worker sampled for the request at output_index - 1
+    # (in the plan before, still running when this one was planned); token_ids is then empty.
+    feeds_sampled: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,8 +125,9 @@ class BatchPlan:
     evict_blocks: tuple[bytes, ...] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SampledToken:
+class SampledToken(NamedTuple):
+    """One token a worker sampled (a named tuple, as StepItem: one per request per step)."""
+
     request_id: str
     token_id: int
     output_index: int

@@ -323,6 +323,7 @@ class IncrementalDetokenizer:
         self._token_bytes = tokenizer._token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
+        self.length = 0  # characters of text so far (without joining the pieces)
         # A prompt encoded from text ends on a character boundary, so it changes nothing; a
         # prompt given as raw ids might not, and then the first output token completes its
         # last character. Feeding the prompt's last few tokens covers that (a character is
@@ -335,6 +336,7 @@ class IncrementalDetokenizer:
         piece = self._utf8.decode(self._token_bytes[token_id])
         if piece:
             self._pieces.append(piece)
+            self.length += len(piece)
         return piece
 
     def flush(self) -> str:
@@ -342,6 +344,7 @@ class IncrementalDetokenizer:
         piece = self._utf8.decode(b"", final=True)
         if piece:
             self._pieces.append(piece)
+            self.length += len(piece)
         return piece
 
     @property

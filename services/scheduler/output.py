@@ -91,12 +91,21 @@ class RequestOutputs:
         request_id = state.request_id
         output = self._outputs[request_id]
         finish = outcome.finish_reason
-        output.detokenizer.push(outcome.token_id)
+        detokenizer = output.detokenizer
+        piece = detokenizer.push(outcome.token_id)
         if finish is not None:
-            output.detokenizer.flush()
-        text = output.detokenizer.text
-        end = len(text)
+            piece += detokenizer.flush()
         stop = state.sampling.stop
+        if finish is None and not stop and output.emitted == detokenizer.length - len(piece):
+            # The common case, every step of most requests: nothing held back, nothing ends here.
+            output.emitted = detokenizer.length
+            index = outcome.output_index
+            self._write(request_id, TOKEN_ENTRY, keys.token_stream(request_id), token_entry_id(index),
+                        encode_token_event(index, outcome.token_id, piece, logprob=outcome.logprob,
+                                           top_logprobs=outcome.top_logprobs))
+            return
+        text = detokenizer.text
+        end = len(text)
         if stop:
             found = find_stop(text, stop, output.checked)
             output.checked = len(text)
@@ -170,7 +179,7 @@ class RequestOutputs:
     def _write(self, request_id: str, command: str, *args: Any, **kwargs: Any) -> None:
         """A write to one request's keys (held while its request-level batch runs)."""
         write = Write(command, args, kwargs, request_id)
-        if not self.holding.keep(write):
+        if not (self.holding.enabled and self.holding.keep(write)):
             self.link.writes.append(write)
 
     def expire_unreadable(self, request_id: str) -> None:

@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from services.scheduler.prefix_cache import extend_chain, root_hash
 from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
@@ -63,9 +63,8 @@ MAX_ITEM_ERRORS = 3  # worker errors on one request's items before it fails (a r
 MAX_WORKERS_LOST = 3
 
 
-@dataclass(frozen=True)
-class TokenOutcome:
-    """One sampled token taken into a request's output."""
+class TokenOutcome(NamedTuple):
+    """One sampled token taken into a request's output (a named tuple: one per request per step)."""
 
     request: RequestState
     token_id: int
@@ -99,6 +98,11 @@ class _Batch:
     budget: int  # tokens left in max_batch_tokens
     chunks: dict[str, int] = field(default_factory=dict)  # request id -> tokens fed this step
     admitted: list[str] = field(default_factory=list)
+
+
+def _decodes_first(state: RequestState) -> tuple[bool, tuple[float, int]]:
+    """A worker's running requests in the order they step: decodes first, then FCFS."""
+    return not state.is_decoding, state.fcfs_key
 
 
 def status_for(reason: FinishReason) -> Literal["finished", "cancelled", "failed"]:
@@ -149,6 +153,7 @@ class SchedulerPolicy:
         # Fairness: when each client key last had a request admitted (an admission count), for the
         # keys that have requests waiting; the key served longest ago goes first.
         self._key_served_at: dict[str, int] = {}
+        self._waiting_keys: dict[str, int] = {}  # client key -> its requests waiting
         self._admissions = 0
         self._workers: dict[str, WorkerState] = {}
         self._arrivals = 0
@@ -408,30 +413,34 @@ class SchedulerPolicy:
             return []
         sampled = {token.request_id: token for token in result.tokens}
         outcomes: list[TokenOutcome] = []
+        running, placements, prefix_caching = worker.running, flight.placements, self.prefix_caching
         for item in flight.plan.items:
-            state = worker.running.get(item.request_id)
-            if state is None or state.placement != flight.placements.get(item.request_id):
+            request_id = item.request_id
+            state = running.get(request_id)
+            if state is None or state.placement != placements.get(request_id):
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
             if item.sample:
                 state.in_flight_samples -= 1
-            error = errors.get(item.request_id)
-            if error is not None:
-                self._on_item_error(worker, state, error.code, error.message)
-                continue
-            if self.prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
+            if errors:
+                error = errors.get(request_id)
+                if error is not None:
+                    self._on_item_error(worker, state, error.code, error.message)
+                    continue
+            if prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
                 end = item.start_position + (len(item.token_ids) or 1)  # (a fed-back token: one)
                 if end // worker.kv_block_size > len(state.held_hashes):
                     self._register_blocks(worker, state, end)
             if not item.sample:
                 continue
-            token = sampled.get(item.request_id)
-            if token is None or token.output_index != item.output_index or item.output_index > len(state.output_token_ids):
+            token = sampled.get(request_id)
+            output = state.output_token_ids
+            if token is None or token.output_index != item.output_index or item.output_index > len(output):
                 self._on_item_error(worker, state, "bad_item",
                                     f"expected a token at output_index {item.output_index}, got {token}")
                 continue
-            if token.output_index < len(state.output_token_ids):
+            if token.output_index < len(output):
                 continue  # already have it
-            state.output_token_ids.append(token.token_id)
+            output.append(token.token_id)
             reason = self._finish_reason_after_output(state)
             if reason is not None:
                 self._end(state, reason)
@@ -444,20 +453,22 @@ class SchedulerPolicy:
     def _schedule_running(self, batch: _Batch) -> None:
         """Running requests step first: decodes (one token each), then prefill chunks, FCFS."""
         worker = batch.worker
-        order = sorted(worker.running.values(), key=lambda state: (not state.is_decoding, state.fcfs_key))
+        running, chunks, staged = worker.running, batch.chunks, worker.stages > 1
+        order = sorted(running.values(), key=_decodes_first)
         # Pipeline stages: the requests whose token is not on its way, in lanes of about 1/stages
         # of the worker's requests, so each stage has a plan's worth while the others run theirs.
-        lane = -(-len(worker.running) // worker.stages) if worker.stages > 1 else len(worker.running)
+        lane = -(-len(running) // worker.stages) if staged else len(running)
         for state in order:
-            if batch.budget <= 0 or len(batch.chunks) >= lane:
+            if batch.budget <= 0 or len(chunks) >= lane:
                 break
-            if state.request_id not in worker.running or state.pending_tokens <= 0:
+            pending = state.pending_tokens
+            if pending <= 0 or state.request_id not in running:
                 continue  # preempted to make room for an older one
-            if self._ends_in_flight(state) or (worker.stages > 1 and state.in_flight_samples):
+            if state.in_flight_samples and (staged or self._ends_in_flight(state)):
                 continue  # its last token is being sampled, or (stages) its next input
-            chunk = min(state.pending_tokens, batch.budget)
+            chunk = min(pending, batch.budget)
             if self._make_room(batch, state, state.computed + chunk):
-                batch.chunks[state.request_id] = chunk
+                chunks[state.request_id] = chunk
                 batch.budget -= chunk
 
     def _make_room(self, batch: _Batch, state: RequestState, tokens_after_step: int) -> bool:
@@ -466,6 +477,8 @@ class SchedulerPolicy:
         youngest and was preempted (or can never fit)."""
         worker = batch.worker
         needed = worker.blocks_for(tokens_after_step) - state.kv_blocks
+        if needed <= 0:
+            return True  # within the blocks it holds (most decode steps)
         while needed > worker.kv_blocks_available:
             victim = max(worker.running.values(), key=lambda running: running.fcfs_key)
             if victim is state and len(worker.running) == 1:
@@ -479,9 +492,8 @@ class SchedulerPolicy:
             self._preempt(worker, victim, "kv_full")
             if victim is state:
                 return False
-        if needed > 0:
-            state.kv_blocks += needed
-            worker.take_blocks(needed)
+        state.kv_blocks += needed
+        worker.take_blocks(needed)
         return True
 
     def _ends_in_flight(self, state: RequestState) -> bool:
@@ -496,21 +508,30 @@ class SchedulerPolicy:
         served (never or longest ago first, then by their oldest request), so a key that floods
         the queue gets one turn per round like any other. With one key this is plain FCFS.
         """
+        self._forget_keys_not_waiting()
+        if len(self._waiting_keys) <= 1:
+            return [request_id for _, _, request_id in self._waiting]
         by_key: dict[str, list[str]] = {}
         for _, _, request_id in self._waiting:
             by_key.setdefault(self._requests[request_id].record.client_key, []).append(request_id)
-        self._key_served_at = {key: served for key, served in self._key_served_at.items() if key in by_key}
-        if len(by_key) <= 1:
-            return [request_id for _, _, request_id in self._waiting]
         turn = sorted(by_key, key=lambda key: self._key_served_at.get(key, -1))  # stable: oldest head first
         order = []
         for round_index in range(max(len(queue) for queue in by_key.values())):
             order.extend(by_key[key][round_index] for key in turn if round_index < len(by_key[key]))
         return order
 
+    def _forget_keys_not_waiting(self) -> None:
+        """A key with nothing waiting loses its turn's place: when it sends again, it goes first."""
+        if not self._key_served_at.keys() <= self._waiting_keys.keys():
+            self._key_served_at = {key: served for key, served in self._key_served_at.items()
+                                   if key in self._waiting_keys}
+
     def _admit_waiting(self, batch: _Batch) -> None:
         """Waiting requests join in fair order while the batch and the KV cache have room."""
         worker = batch.worker
+        if len(worker.running) >= self.max_batch_size or self.policy == "iteration" and batch.budget <= 0:
+            self._forget_keys_not_waiting()  # (as _fair_order would have)
+            return  # no room: nobody is looked at
         claimed: dict[str, tuple[int, int]] = {}  # other workers: blocks, requests meant for them
         for request_id in self._fair_order():
             if len(worker.running) >= self.max_batch_size:
@@ -622,9 +643,12 @@ class SchedulerPolicy:
         items, joined = [], []
         placements: dict[str, int] = {}
         prefill_tokens = decode_tokens = 0
+        running = worker.running
         for request_id, chunk in batch.chunks.items():
-            state = worker.running[request_id]
-            start, end = state.computed, state.computed + chunk
+            state = running[request_id]
+            start = state.computed
+            end = start + chunk
+            outputs = len(state.output_token_ids)
             if state.is_decoding:
                 decode_tokens += chunk
             else:
@@ -635,14 +659,13 @@ class SchedulerPolicy:
             if state.in_flight_samples:  # its input is the token a plan in flight samples
                 if chunk != 1:  # the bookkeeping is broken: better to stop than plan on it
                     raise RuntimeError(f"{request_id}: {chunk} tokens pending behind a token sampled in flight")
-                item = StepItem(request_id=request_id, token_ids=(), feeds_sampled=True, start_position=start,
-                                sample=True, output_index=state.planned_outputs)
+                items.append(StepItem(request_id, (), start, True, outputs + state.in_flight_samples, True))
+                state.in_flight_samples += 1
             else:
-                item = StepItem(request_id=request_id, token_ids=state.tokens(start, end), start_position=start,
-                                sample=end == state.total_tokens, output_index=len(state.output_token_ids))
-            items.append(item)
+                sample = end == state.prompt_length + outputs
+                items.append(StepItem(request_id, state.tokens(start, end), start, sample, outputs))
+                state.in_flight_samples += sample
             state.computed = end
-            state.in_flight_samples += item.sample
             placements[request_id] = state.placement
         new_requests = [
             NewRequest(request_id=request_id, sampling=state.sampling,
@@ -674,11 +697,10 @@ class SchedulerPolicy:
     # Internals: request lifecycle
 
     def _finish_reason_after_output(self, state: RequestState) -> FinishReason | None:
-        if state.output_token_ids[-1] in self.stop_token_ids and not state.sampling.ignore_eos:
+        output, sampling = state.output_token_ids, state.sampling
+        if output[-1] in self.stop_token_ids and not sampling.ignore_eos:
             return "stop"
-        if len(state.output_token_ids) >= state.sampling.max_tokens:
-            return "length"
-        if state.total_tokens >= self.context_length:
+        if len(output) >= sampling.max_tokens or state.prompt_length + len(output) >= self.context_length:
             return "length"
         return None
 
@@ -771,9 +793,16 @@ class SchedulerPolicy:
 
     def _enqueue(self, state: RequestState) -> None:
         bisect.insort(self._waiting, (*state.fcfs_key, state.request_id))
+        key = state.record.client_key
+        self._waiting_keys[key] = self._waiting_keys.get(key, 0) + 1
 
     def _dequeue(self, state: RequestState) -> None:
         entry = (*state.fcfs_key, state.request_id)
         index = bisect.bisect_left(self._waiting, entry)
         if index < len(self._waiting) and self._waiting[index] == entry:
             del self._waiting[index]
+            key = state.record.client_key
+            if self._waiting_keys[key] == 1:
+                del self._waiting_keys[key]
+            else:
+                self._waiting_keys[key] -= 1

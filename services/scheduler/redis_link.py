@@ -9,16 +9,24 @@ fails inside the transaction fails for its key (a key of the wrong type): the li
 `on_write_failed`. Every token entry of a round trip goes in one EVAL (TOKENS_SCRIPT): one
 command instead of one per token, which is most of what a round trip used to cost.
 
+The round trip is the scheduler's busiest Redis call, so it bypasses redis-py's pipeline
+machinery (response callbacks, retries, a connection taken from the pool and given back, a time
+limit per reply: about 200 microseconds of CPU a round trip, measured): redis-py's command methods
+still build every command's arguments, hiredis encodes them, and they go out on one connection the
+link keeps, whose replies are read back in order. An exchange broken off (an error, a cancel, the
+time limit) leaves replies unread on it, so the next one reconnects first.
+
 The input streams are trimmed to what this scheduler has read (nobody else reads them; a
 restarted scheduler rebuilds from the active set, not from them).
 """
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+import hiredis
 import msgpack
 from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
@@ -63,9 +71,8 @@ class SchedulerStateError(Exception):
     scheduler's memory and Redis disagree, so the process stops and the restart path rebuilds."""
 
 
-@dataclass(frozen=True)
-class Write:
-    """One Redis command of the next round trip."""
+class Write(NamedTuple):
+    """One Redis command of the next round trip (a tuple: a few are made for every token)."""
 
     command: str
     args: tuple
@@ -86,6 +93,11 @@ async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
         return await awaitable
 
 
+def encoded(commands: list[tuple]) -> bytes:
+    """Commands in Redis's protocol, one after another (hiredis: C, not redis-py's Python packer)."""
+    return b"".join([hiredis.pack_command(command) for command in commands])
+
+
 def text_of(value: bytes | str | None) -> str | None:
     if value is None:
         return None
@@ -103,6 +115,8 @@ class RedisLink:
         self.read_ids = {stream: "0-0" for stream in self.input_streams}  # where each input stream was read up to
         self._trimmed_ids = dict(self.read_ids)
         self._read_since_trim = 0
+        self._connection: Any = None  # the round trip's own connection (taken from the client's pool once)
+        self._broken_off = False  # an exchange on it ended before all its replies were read
 
     def queue(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.writes.append(Write(command, args, kwargs))
@@ -126,10 +140,9 @@ class RedisLink:
                 self._trimmed_ids[stream] = read_up_to
         self._read_since_trim = 0
 
-    async def round_trip(self, block_ms: int | None, read: bool = True) -> list:
-        """Every queued write as one MULTI/EXEC (the token entries in one EVAL where the first of
-        them stood: every write queued after a request's last token, its end and its expiries,
-        still runs after it), then one XREAD of the input streams, in one pipeline."""
+    def commands(self, block_ms: int | None, read: bool = True) -> tuple[list[Write], list, list[tuple]]:
+        """The next round trip: the writes it sends, its commands (a Write, or the list of token
+        entries that one EVAL writes) and every command's arguments, MULTI to EXEC, then XREAD."""
         writes = list(self.writes)
         commands: list[Write | list[Write]] = []
         tokens: list[Write] | None = None
@@ -141,7 +154,7 @@ class RedisLink:
                 commands.append(tokens)
             else:
                 tokens.append(write)
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)  # only builds the commands' arguments: never sent
         if commands:
             pipe.execute_command("MULTI")
             for command in commands:
@@ -153,8 +166,15 @@ class RedisLink:
             pipe.execute_command("EXEC")
         if read:
             pipe.xread(dict(self.read_ids), count=READ_COUNT, block=block_ms)
+        return writes, commands, [command_arguments for command_arguments, _ in pipe.command_stack]
+
+    async def round_trip(self, block_ms: int | None, read: bool = True) -> list:
+        """Every queued write as one MULTI/EXEC (the token entries in one EVAL where the first of
+        them stood: every write queued after a request's last token, its end and its expiries,
+        still runs after it), then one XREAD of the input streams, all in one write to Redis."""
+        writes, commands, arguments = self.commands(block_ms, read)
         wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
-        replies = await bounded(pipe.execute(raise_on_error=False), wait_seconds)
+        replies = await bounded(self._exchange(arguments), wait_seconds)
         if commands:
             outcomes = replies[len(commands) + 1]
             if isinstance(outcomes, Exception):
@@ -177,4 +197,29 @@ class RedisLink:
         entries = replies[-1]
         if isinstance(entries, Exception):
             raise entries
-        return entries or []
+        # XREAD's reply (a map in RESP3, pairs in RESP2) as redis-py's XREAD gives it:
+        # (stream, [(entry id, {field: value})])
+        streams = entries.items() if isinstance(entries, dict) else entries or ()
+        return [(stream, [(entry_id, dict(zip(fields[::2], fields[1::2])) if fields else {})
+                          for entry_id, fields in stream_entries])
+                for stream, stream_entries in streams]
+
+    async def _exchange(self, commands: list[tuple]) -> list:
+        """Send the commands in one write and read their replies in order: an error reply is
+        returned in its place (a Redis that refuses a write), a lost connection raises."""
+        if self._connection is None:
+            self._connection = await self.redis.connection_pool.get_connection()
+        connection = self._connection
+        if self._broken_off:
+            await connection.disconnect()  # its unread replies go with it; the send reconnects
+        self._broken_off = True
+        await connection.send_packed_command(encoded(commands))
+        replies = []
+        for _ in commands:
+            try:
+                # No time limit per reply: the caller bounds the whole exchange.
+                replies.append(await connection.read_response(timeout=math.inf))
+            except ResponseError as error:
+                replies.append(error)
+        self._broken_off = False
+        return replies

@@ -1,7 +1,6 @@
 """One request's state in the scheduler, and one worker's (the nano-vllm Sequence and block
 manager, split across processes): pure data, no Redis, no tensors."""
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,21 +35,23 @@ class RequestState:
     item_errors: int = 0  # worker errors on its items; too many fail the request
     workers_lost: int = 0  # workers that died while it ran on them; too many fail it
 
-    @property
-    def request_id(self) -> str:
-        return self.record.request_id
+    # Copied from the record once: read for every request at every step (the record never changes).
+    request_id: str = field(init=False)
+    prompt_token_ids: tuple[int, ...] = field(init=False)
+    prompt_length: int = field(init=False)
+    sampling: SamplingParams = field(init=False)
+    fcfs_key: tuple[float, int] = field(init=False)
 
-    @property
-    def prompt_token_ids(self) -> tuple[int, ...]:
-        return self.record.prompt_token_ids
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.record.sampling
+    def __post_init__(self) -> None:
+        record = self.record
+        self.request_id, self.sampling = record.request_id, record.sampling
+        self.prompt_token_ids = record.prompt_token_ids
+        self.prompt_length = len(record.prompt_token_ids)
+        self.fcfs_key = (record.arrival_time, self.arrival_seq)
 
     @property
     def total_tokens(self) -> int:
-        return len(self.record.prompt_token_ids) + len(self.output_token_ids)
+        return self.prompt_length + len(self.output_token_ids)
 
     @property
     def planned_outputs(self) -> int:
@@ -60,21 +61,18 @@ class RequestState:
     @property
     def planned_tokens(self) -> int:
         """Prompt + output tokens once the plans in flight are answered."""
-        return self.total_tokens + self.in_flight_samples
+        return self.prompt_length + len(self.output_token_ids) + self.in_flight_samples
 
     @property
     def pending_tokens(self) -> int:
         """Tokens not yet sent to the worker's KV (1 for a decode step, more for a (re)prefill)."""
-        return self.planned_tokens - self.computed
+        return self.prompt_length + len(self.output_token_ids) + self.in_flight_samples - self.computed
 
     @property
     def is_decoding(self) -> bool:
         """Its next step feeds only the token sampled at its previous step."""
-        return self.planned_outputs > 0 and self.computed == self.planned_tokens - 1
-
-    @property
-    def fcfs_key(self) -> tuple[float, int]:
-        return (self.record.arrival_time, self.arrival_seq)
+        outputs = len(self.output_token_ids) + self.in_flight_samples
+        return outputs > 0 and self.computed == self.prompt_length + outputs - 1
 
     @property
     def is_active(self) -> bool:
@@ -144,4 +142,4 @@ class WorkerState:
         self.to_evict.clear()
 
     def blocks_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.kv_block_size)
+        return -(-tokens // self.kv_block_size)

@@ -1,0 +1,183 @@
+"""The scheduler's CPU time per worker-iteration, in one process, without Redis or workers.
+
+`iterserve bench experiments control-plane` measures the scheduler inside the running system, where
+this 2-core machine's other processes (workers, Redis, the gateway) make every figure noisy. This
+drives the same code in one process: the real policy, plan codec, output (detokenization, stop
+strings, token entries) and the round trip's write packing (redis-py's command encoding and the
+token entries' msgpack), against a worker that answers from the worker's own PlanReader (not
+timed). Only the socket and Redis's own work are missing, so it isolates what the scheduler's code
+costs per worker-iteration at a given batch, phase by phase, as the service counts them.
+
+    .venv/bin/python benchmarks/scheduler_cpu.py [--batch 64] [--workers 2] [--iterations 3000]
+
+Each worker keeps `pipeline_depth` plans in flight and a pool of 1.5x its batch, as the
+control-plane experiment does (32-token prompts, 256 output tokens, greedy, no stop strings;
+--stop adds a stop string to every request, --logprobs asks for 5 top log-probabilities).
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import msgpack  # noqa: E402
+import redis.asyncio  # noqa: E402
+
+from services.scheduler.held_results import ResultHolding  # noqa: E402
+from services.scheduler.output import RequestOutputs  # noqa: E402
+from services.scheduler.policy import SchedulerPolicy  # noqa: E402
+from services.scheduler.redis_link import RedisLink, encoded  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.config import Settings  # noqa: E402
+from shared.messages import RequestRecord, SamplingParams  # noqa: E402
+from shared.plans import PlanCodec, PlanReader, read_result  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+from shared.wire import encode  # noqa: E402
+
+PHASES = ("plan", "encode", "decode", "apply", "fanout", "pack")
+PROMPT_TOKENS, OUTPUT_TOKENS = 32, 256
+
+
+def token_for(seed: int, output_index: int) -> int:
+    return 1000 + (seed * 7919 + output_index * 104729) % 20000  # ordinary word pieces, never a stop token
+
+
+class Harness:
+    def __init__(self, batch: int, workers: int, depth: int, stop: bool, logprobs: bool) -> None:
+        self.tokenizer = Tokenizer.load()
+        settings = Settings()  # the defaults `iterserve up` runs with (prefix caching, cache-aware placement)
+        self.policy = SchedulerPolicy(
+            "epoch", context_length=8192, stop_token_ids=self.tokenizer.stop_token_ids, max_batch_size=batch,
+            pipeline_depth=depth, max_batch_tokens=settings.max_batch_tokens, prefix_caching=settings.prefix_caching,
+            placement=settings.placement, placement_slack=settings.placement_slack,
+            placement_threshold=settings.placement_threshold, cache_salt=settings.model)
+        # Its commands are built by a redis-py client that never connects.
+        self.link = RedisLink(redis.asyncio.Redis(), on_write_failed=lambda write, error: None)
+        self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, ResultHolding(False), 3600)
+        self.worker_ids = [f"w{index}" for index in range(workers)]
+        self.codecs = {worker_id: PlanCodec() for worker_id in self.worker_ids}
+        self.readers = {worker_id: PlanReader() for worker_id in self.worker_ids}
+        self.kv_lengths: dict[str, int] = {}
+        self.seeds: dict[str, int] = {}
+        self.in_flight: dict[str, deque] = {worker_id: deque() for worker_id in self.worker_ids}
+        self.stop, self.logprobs = stop, logprobs
+        self.submitted = 0
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.iterations = 0
+        self.batch_sum = 0
+        for worker_id in self.worker_ids:
+            self.policy.worker_up(worker_id, kv_blocks_total=4096, kv_block_size=16)
+        self.active_target = int(batch * 1.5) * workers
+
+    def submit(self) -> None:
+        while self.policy.waiting_count + self.policy.running_count < self.active_target:
+            seed = self.submitted
+            request_id = f"{seed:032x}"
+            prompt = tuple(token_for(seed, -1 - index) for index in range(PROMPT_TOKENS))
+            sampling = SamplingParams(max_tokens=OUTPUT_TOKENS, seed=seed, stop=("\u2603",) if self.stop else (),
+                                      logprobs=5 if self.logprobs else -1)
+            record = RequestRecord(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                                   arrival_time=time.time())
+            self.seeds[request_id] = seed
+            state = self.policy.add_request(record)
+            self.outputs.start(state.record, [], 0)
+            self.submitted += 1
+
+    def answer(self, worker_id: str, data: bytes) -> bytes:
+        """The worker's side (not timed): decode the plan as a worker would and sample fake tokens."""
+        reader = self.readers[worker_id]
+        decoded = reader.decode(data, lambda request_id: self.kv_lengths.get(request_id, 0), worker_id)
+        for request_id in decoded.plan.free_request_ids:
+            self.kv_lengths.pop(request_id, None)
+        tokens, logprobs = {}, {}
+        for item in decoded.plan.items:
+            self.kv_lengths[item.request_id] = item.start_position + (len(item.token_ids) or 1)
+            if item.sample:
+                tokens[item.request_id] = token_for(self.seeds[item.request_id], item.output_index)
+                if self.logprobs:
+                    logprobs[item.request_id] = (-0.5, tuple((token_for(index, 0), -1.0 - index) for index in range(5)))
+        return msgpack.packb({"m": reader.encode_result(decoded, tokens, logprobs, [], 4096, 1000, 0.003)})
+
+    def run(self, iterations: int) -> None:
+        clock = time.process_time
+        while self.iterations < iterations:
+            for worker_id in self.worker_ids:
+                self.submit()
+                while len(self.in_flight[worker_id]) < self.policy.depth(self.policy.worker(worker_id)):
+                    started = clock()
+                    plan = self.policy.next_plan(worker_id)
+                    planned = clock()
+                    self.seconds["plan"] += planned - started
+                    if plan is None:
+                        break
+                    data = self.codecs[worker_id].encode(plan)
+                    self.link.queue("xadd", keys.plan_stream(worker_id), {"m": data}, maxlen=1000, approximate=True)
+                    for item in plan.items:
+                        self.outputs.mark_running(item.request_id)
+                    self.seconds["encode"] += clock() - planned
+                    self.in_flight[worker_id].append(self.answer(worker_id, data))
+                self.pack_writes()
+                if not self.in_flight[worker_id]:
+                    continue
+                answer = msgpack.unpackb(self.in_flight[worker_id].popleft())["m"]
+                started = clock()
+                _, raw = read_result(answer)
+                result = self.codecs[worker_id].decode_result(raw)
+                decoded = clock()
+                self.seconds["decode"] += decoded - started
+                outcomes = self.policy.on_result(result)
+                applied = clock()
+                self.seconds["apply"] += applied - decoded
+                for outcome in outcomes:
+                    self.outputs.publish_token(outcome)
+                self.outputs.publish_finished_without_token()
+                for record in self.policy.take_iteration_records():
+                    self.batch_sum += len(record.request_ids)
+                    self.iterations += 1
+                    self.link.queue("xadd", self.link.keys.iterations, {"m": encode(record)}, maxlen=1000,
+                                    approximate=False)
+                self.seconds["fanout"] += clock() - applied
+                self.pack_writes()
+
+    def pack_writes(self) -> None:
+        """What the round trip does with the queued writes before the socket (RedisLink.round_trip)."""
+        started = time.process_time()
+        _, _, arguments = self.link.commands(block_ms=50)
+        encoded(arguments)
+        self.link.writes.clear()
+        self.seconds["pack"] += time.process_time() - started
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=2, help="plans in flight per worker (--pipeline-depth)")
+    parser.add_argument("--iterations", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--stop", action="store_true", help="every request has a stop string")
+    parser.add_argument("--logprobs", action="store_true", help="every request asks for 5 top log-probabilities")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs)
+    harness.run(args.warmup)
+    harness.seconds = dict.fromkeys(PHASES, 0.0)
+    harness.iterations = harness.batch_sum = 0
+    harness.run(args.iterations)
+    per_iteration = {phase: 1e6 * seconds / harness.iterations for phase, seconds in harness.seconds.items()}
+    report = {"batch": harness.batch_sum / harness.iterations, "iterations": harness.iterations,
+              "us_per_iteration": sum(per_iteration.values()), "phases_us": per_iteration}
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"mean batch {report['batch']:.1f} over {harness.iterations} worker-iterations: "
+          f"{report['us_per_iteration']:.0f} us of scheduler CPU each")
+    print("  " + "  ".join(f"{phase} {value:.0f}" for phase, value in per_iteration.items()))
+
+
+if __name__ == "__main__":
+    main()
