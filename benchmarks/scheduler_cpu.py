@@ -67,6 +67,7 @@ class Harness:
         self.stop, self.logprobs = stop, logprobs
         self.submitted = 0
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.worker_seconds = 0.0  # the worker's side of the wire (PlanReader): reported apart
         self.iterations = 0
         self.batch_sum = 0
         for worker_id in self.worker_ids:
@@ -90,7 +91,9 @@ class Harness:
     def answer(self, worker_id: str, data: bytes) -> bytes:
         """The worker's side (not timed): decode the plan as a worker would and sample fake tokens."""
         reader = self.readers[worker_id]
+        started = time.process_time()
         decoded = reader.decode(data, lambda request_id: self.kv_lengths.get(request_id, 0), worker_id)
+        self.worker_seconds += time.process_time() - started
         for request_id in decoded.plan.free_request_ids:
             self.kv_lengths.pop(request_id, None)
         tokens, logprobs = {}, {}
@@ -100,7 +103,10 @@ class Harness:
                 tokens[item.request_id] = token_for(self.seeds[item.request_id], item.output_index)
                 if self.logprobs:
                     logprobs[item.request_id] = (-0.5, tuple((token_for(index, 0), -1.0 - index) for index in range(5)))
-        return msgpack.packb({"m": reader.encode_result(decoded, tokens, logprobs, [], 4096, 1000, 0.003)})
+        started = time.process_time()
+        result = reader.encode_result(decoded, tokens, logprobs, [], 4096, 1000, 0.003)
+        self.worker_seconds += time.process_time() - started
+        return msgpack.packb({"m": result})
 
     def run(self, iterations: int) -> None:
         clock = time.process_time
@@ -166,17 +172,20 @@ def main(argv: list[str] | None = None) -> None:
     harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs)
     harness.run(args.warmup)
     harness.seconds = dict.fromkeys(PHASES, 0.0)
+    harness.worker_seconds = 0.0
     harness.iterations = harness.batch_sum = 0
     harness.run(args.iterations)
     per_iteration = {phase: 1e6 * seconds / harness.iterations for phase, seconds in harness.seconds.items()}
     report = {"batch": harness.batch_sum / harness.iterations, "iterations": harness.iterations,
-              "us_per_iteration": sum(per_iteration.values()), "phases_us": per_iteration}
+              "us_per_iteration": sum(per_iteration.values()), "phases_us": per_iteration,
+              "worker_codec_us": 1e6 * harness.worker_seconds / harness.iterations}
     if args.json:
         print(json.dumps(report))
         return
     print(f"mean batch {report['batch']:.1f} over {harness.iterations} worker-iterations: "
           f"{report['us_per_iteration']:.0f} us of scheduler CPU each")
     print("  " + "  ".join(f"{phase} {value:.0f}" for phase, value in per_iteration.items()))
+    print(f"the worker's side (not the scheduler's): plan decode + result encode {report['worker_codec_us']:.0f} us")
 
 
 if __name__ == "__main__":

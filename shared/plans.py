@@ -37,6 +37,8 @@ MAX_INDEX = 2**31
 ERROR_CODES = ("kv_cache_full", "out_of_memory", "unknown_request", "bad_item", "cache_mismatch")
 HASH_BYTES = 16  # a prefix-cache block hash (services/scheduler/prefix_cache.py)
 _I32, _U16 = np.dtype("<i4"), np.dtype("<u2")
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False  # shared by every empty field
 
 
 def _hashes(data: Any, kind: str, name: str) -> tuple[bytes, ...]:
@@ -69,6 +71,8 @@ def _field(raw: dict, kind: str, name: str, types, default: Any = ...) -> Any:
 
 def _ints(raw: dict, kind: str, name: str, dtype: np.dtype, low: int = 0, high: int = MAX_INDEX) -> np.ndarray:
     data = _field(raw, kind, name, bytes, b"")
+    if not data:
+        return _NONE  # (most of a plan's fields, most steps)
     if len(data) % dtype.itemsize:
         raise WireError(f"{kind}: field {name!r} is not a whole number of {dtype}")
     values = np.frombuffer(data, dtype=dtype).astype(np.int64)
@@ -169,14 +173,17 @@ class PlanCodec:
             raise WireError(f"{kind}: {handles.size} handles, {token_ids.size} tokens, {output_indices.size} indexes")
         logprobs = _logprobs(raw, kind, handles.size)
         sent = self._sent.pop(_field(raw, kind, "p", int), {}) if raw.get("e") == self.epoch else {}
-        tokens = []
-        for position, (handle, token_id, output_index) in enumerate(zip(handles.tolist(), token_ids.tolist(),
-                                                                        output_indices.tolist())):
-            request_id = sent.get(handle)
-            if request_id is not None:
-                logprob, top = logprobs.get(position, (None, ()))
-                tokens.append(SampledToken(request_id=request_id, token_id=token_id, output_index=output_index,
-                                           logprob=logprob, top_logprobs=top))
+        columns = zip(handles.tolist(), token_ids.tolist(), output_indices.tolist())
+        if logprobs:
+            tokens = []
+            for position, (handle, token_id, output_index) in enumerate(columns):
+                request_id = sent.get(handle)
+                if request_id is not None:
+                    logprob, top = logprobs.get(position, (None, ()))
+                    tokens.append(SampledToken(request_id, token_id, output_index, logprob, top))
+        else:  # (most results: a token and its index per request)
+            tokens = [SampledToken(request_id, token_id, output_index) for handle, token_id, output_index in columns
+                      if (request_id := sent.get(handle)) is not None]
         errors = []
         for entry in _field(raw, kind, "x", list, []):
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
@@ -291,13 +298,13 @@ class PlanReader:
         decode_outputs = _ints(raw, kind, "do", _I32, 1)
         if decode_handles.size != decode_outputs.size:
             raise WireError(f"{kind}: {decode_handles.size} decode handles, {decode_outputs.size} output indexes")
+        request_of = self._request_of
         for handle, output_index in zip(decode_handles.tolist(), decode_outputs.tolist()):
-            request_id = self._request_of.get(handle)
+            request_id = request_of.get(handle)
             if request_id is None:
                 unknown.append((handle, "a decode for a handle this worker does not hold"))
                 continue
-            items.append(StepItem(request_id=request_id, token_ids=(), feeds_sampled=True,
-                                  start_position=kv_length(request_id), sample=True, output_index=output_index))
+            items.append(StepItem(request_id, (), kv_length(request_id), True, output_index, True))
             item_handles.append(handle)
         handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
         starts, counts = _ints(raw, kind, "s", _I32), _ints(raw, kind, "c", _I32, 1)

@@ -285,6 +285,18 @@ class Tokenizer:
         return self._token_bytes[token_id]
 
     @cached_property
+    def _token_text(self) -> list[str | None]:
+        """Each token's text when its bytes are whole UTF-8 characters on their own (None when not):
+        a detokenizer holding no partial character emits it without decoding."""
+        table: list[str | None] = []
+        for data in self._token_bytes:
+            try:
+                table.append(data.decode())
+            except UnicodeDecodeError:
+                table.append(None)
+        return table
+
+    @cached_property
     def _token_bytes(self) -> list[bytes]:
         # Built on first use (about 30 ms): only processes that stream text need it.
         byte_of = {char: byte for byte, char in byte_to_unicode().items()}
@@ -320,7 +332,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
-        self._token_bytes = tokenizer._token_bytes
+        self._token_bytes, self._token_text = tokenizer._token_bytes, tokenizer._token_text
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
         self.length = 0  # characters of text so far (without joining the pieces)
@@ -330,10 +342,19 @@ class IncrementalDetokenizer:
         # at most 4 bytes).
         if prompt_token_ids:
             self._utf8.decode(b"".join(self._token_bytes[token_id] for token_id in prompt_token_ids[-4:]))
+        self._whole = not self._utf8.getstate()[0]  # no partial character held
 
     def push(self, token_id: int) -> str:
         """The text this token completes: "" while it ends inside a character, and for special tokens."""
+        if self._whole:
+            piece = self._token_text[token_id]  # most tokens: whole characters, after whole characters
+            if piece is not None:
+                if piece:
+                    self._pieces.append(piece)
+                    self.length += len(piece)
+                return piece
         piece = self._utf8.decode(self._token_bytes[token_id])
+        self._whole = not self._utf8.getstate()[0]
         if piece:
             self._pieces.append(piece)
             self.length += len(piece)
@@ -342,6 +363,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever is held back at the end: U+FFFD if the output ended inside a character."""
         piece = self._utf8.decode(b"", final=True)
+        self._whole = True
         if piece:
             self._pieces.append(piece)
             self.length += len(piece)

@@ -414,12 +414,12 @@ class SchedulerPolicy:
         sampled = {token.request_id: token for token in result.tokens}
         outcomes: list[TokenOutcome] = []
         running, placements, prefix_caching = worker.running, flight.placements, self.prefix_caching
-        for item in flight.plan.items:
-            request_id = item.request_id
+        stop_token_ids, context_length = self.stop_token_ids, self.context_length
+        for request_id, token_ids, start_position, sample, output_index, _ in flight.plan.items:
             state = running.get(request_id)
             if state is None or state.placement != placements.get(request_id):
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
-            if item.sample:
+            if sample:
                 state.in_flight_samples -= 1
             if errors:
                 error = errors.get(request_id)
@@ -427,25 +427,32 @@ class SchedulerPolicy:
                     self._on_item_error(worker, state, error.code, error.message)
                     continue
             if prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
-                end = item.start_position + (len(item.token_ids) or 1)  # (a fed-back token: one)
+                end = start_position + (len(token_ids) or 1)  # (a fed-back token: one)
                 if end // worker.kv_block_size > len(state.held_hashes):
                     self._register_blocks(worker, state, end)
-            if not item.sample:
+            if not sample:
                 continue
             token = sampled.get(request_id)
             output = state.output_token_ids
-            if token is None or token.output_index != item.output_index or item.output_index > len(output):
+            if token is None or token.output_index != output_index or output_index > len(output):
                 self._on_item_error(worker, state, "bad_item",
-                                    f"expected a token at output_index {item.output_index}, got {token}")
+                                    f"expected a token at output_index {output_index}, got {token}")
                 continue
-            if token.output_index < len(output):
+            if output_index < len(output):
                 continue  # already have it
-            output.append(token.token_id)
-            reason = self._finish_reason_after_output(state)
+            token_id = token.token_id
+            output.append(token_id)
+            # (_finish_reason_after_output, written out: this runs for every token)
+            sampling = state.sampling
+            if token_id in stop_token_ids and not sampling.ignore_eos:
+                reason: FinishReason | None = "stop"
+            elif len(output) >= sampling.max_tokens or state.prompt_length + len(output) >= context_length:
+                reason = "length"
+            else:
+                reason = None
             if reason is not None:
                 self._end(state, reason)
-            outcomes.append(TokenOutcome(state, token.token_id, token.output_index, reason, token.logprob,
-                                         token.top_logprobs))
+            outcomes.append(TokenOutcome(state, token_id, output_index, reason, token.logprob, token.top_logprobs))
         return outcomes
 
     # Internals: building a plan
@@ -458,14 +465,19 @@ class SchedulerPolicy:
         # Pipeline stages: the requests whose token is not on its way, in lanes of about 1/stages
         # of the worker's requests, so each stage has a plan's worth while the others run theirs.
         lane = -(-len(running) // worker.stages) if staged else len(running)
+        context_length = self.context_length
         for state in order:
             if batch.budget <= 0 or len(chunks) >= lane:
                 break
-            pending = state.pending_tokens
+            in_flight = state.in_flight_samples
+            outputs = len(state.output_token_ids) + in_flight
+            pending = state.prompt_length + outputs - state.computed
             if pending <= 0 or state.request_id not in running:
                 continue  # preempted to make room for an older one
-            if state.in_flight_samples and (staged or self._ends_in_flight(state)):
-                continue  # its last token is being sampled, or (stages) its next input
+            # Its last token is being sampled (max_tokens or the context reached), or (stages) its next input.
+            if in_flight and (staged or outputs >= state.sampling.max_tokens
+                              or state.prompt_length + outputs >= context_length):
+                continue
             chunk = min(pending, batch.budget)
             if self._make_room(batch, state, state.computed + chunk):
                 chunks[state.request_id] = chunk
@@ -495,11 +507,6 @@ class SchedulerPolicy:
         state.kv_blocks += needed
         worker.take_blocks(needed)
         return True
-
-    def _ends_in_flight(self, state: RequestState) -> bool:
-        """A plan in flight samples its last token (max_tokens or the context reached)."""
-        return state.in_flight_samples > 0 and (state.planned_outputs >= state.sampling.max_tokens
-                                                or state.planned_tokens >= self.context_length)
 
     def _fair_order(self) -> list[str]:
         """Waiting requests in admission order: round-robin across client keys, FCFS within a key.

@@ -18,10 +18,9 @@ not fitting what it holds drops everything and says so (the scheduler then start
 """
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from shared.plans import HASH_BYTES  # 128 bits: a collision would hand one prompt another's KV
 
@@ -37,7 +36,7 @@ def extend_chain(chain: list[bytes], root: bytes, tokens: Callable[[int, int], S
     for index in range(len(chain), blocks):
         parent = chain[index - 1] if index else root
         block = tokens(index * block_size, (index + 1) * block_size)
-        data = np.asarray(block, dtype="<i4").tobytes()
+        data = struct.pack(f"<{len(block)}i", *block)  # (int32 little-endian, as numpy's "<i4")
         chain.append(hashlib.blake2b(parent + data, digest_size=HASH_BYTES).digest())
 
 
