@@ -9,6 +9,12 @@ timed). Only the socket and Redis's own work are missing, so it isolates what th
 costs per worker-iteration at a given batch, phase by phase, as the service counts them.
 
     .venv/bin/python benchmarks/scheduler_cpu.py [--batch 64] [--workers 2] [--iterations 3000]
+    .venv/bin/python benchmarks/scheduler_cpu.py --round-trips 2000
+
+--round-trips times the one part left out, against a private redis-server: the round trip of a
+worker-iteration's writes at batch 64 (its plan, 64 token entries, its iteration record, the
+heartbeat) and the XREAD, sent by RedisLink.round_trip and, alternating with it, the same commands
+through redis-py's pipeline (how the link sent them before): CPU time per round trip of each.
 
 Each worker keeps `pipeline_depth` plans in flight and a pool of 1.5x its batch, as the
 control-plane experiment does (32-token prompts, 256 output tokens, greedy, no stop strings;
@@ -16,7 +22,10 @@ control-plane experiment does (32-token prompts, 256 output tokens, greedy, no s
 """
 
 import argparse
+import asyncio
 import json
+import shutil
+import subprocess
 import sys
 import time
 from collections import deque
@@ -27,14 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgpack  # noqa: E402
 import redis.asyncio  # noqa: E402
 
+from services.launcher import free_port, wait_for_redis  # noqa: E402
 from services.scheduler.held_results import ResultHolding  # noqa: E402
 from services.scheduler.output import RequestOutputs  # noqa: E402
 from services.scheduler.policy import SchedulerPolicy  # noqa: E402
-from services.scheduler.redis_link import RedisLink, encoded  # noqa: E402
+from services.scheduler.redis_link import TOKEN_ENTRY, RedisLink, Write, encoded  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
 from shared.plans import PlanCodec, PlanReader, read_result  # noqa: E402
+from shared.redis_connection import connect  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from shared.wire import encode  # noqa: E402
 
@@ -158,6 +169,63 @@ class Harness:
         self.seconds["pack"] += time.process_time() - started
 
 
+async def time_round_trips(url: str, count: int, batch: int) -> dict[str, float]:
+    """CPU microseconds per round trip: RedisLink's own exchange, and redis-py's pipeline."""
+    client = connect(url)
+    link = RedisLink(client, on_write_failed=lambda write, error: print("write failed:", write, error))
+    await client.xadd(link.keys.results, {"m": b"r" * 650})  # every XREAD reads back one result
+    payload = msgpack.packb([1, 2, "word"])
+    seconds = {"link": 0.0, "redis-py pipeline": 0.0}
+    for index in range(count):
+        link.queue("xadd", keys.plan_stream("w0"), {"m": b"p" * 450}, maxlen=1000, approximate=True)
+        link.writes.extend(Write(TOKEN_ENTRY, (keys.token_stream(f"{row:032x}"), f"0-{index + 1}", payload), {},
+                                 f"{row:032x}") for row in range(batch))
+        link.queue("xadd", link.keys.iterations, {"m": b"i" * 2400}, maxlen=1000, approximate=False)
+        link.queue("set", link.keys.scheduler_heartbeat, b"h" * 300, px=5000)
+        link.read_ids = dict.fromkeys(link.read_ids, "0-0")
+        started = time.process_time()
+        if index % 100 < 50:
+            entries = await link.round_trip(block_ms=None)
+            seconds["link"] += time.process_time() - started
+        else:  # as the link sent them before: redis-py's pipeline, replies through its callbacks
+            writes, _, arguments = link.commands(block_ms=None)
+            pipe = client.pipeline(transaction=False)
+            for command_arguments in arguments:
+                pipe.execute_command(*command_arguments)
+            entries = (await pipe.execute(raise_on_error=False))[-1]
+            del link.writes[: len(writes)]
+            seconds["redis-py pipeline"] += time.process_time() - started
+        if not entries:
+            raise RuntimeError("the round trip read nothing back")
+    await client.flushdb()
+    await client.aclose()
+    return {way: 1e6 * total / (count / 2) for way, total in seconds.items()}
+
+
+def round_trips(count: int, batch: int) -> dict[str, float]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--round-trips needs redis-server (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for_redis(url)
+        try:
+            from uvloop import run  # as the scheduler runs
+        except ImportError:
+            run = asyncio.run
+        return run(time_round_trips(url, count, batch))
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
@@ -167,8 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--stop", action="store_true", help="every request has a stop string")
     parser.add_argument("--logprobs", action="store_true", help="every request asks for 5 top log-probabilities")
+    parser.add_argument("--round-trips", type=int, default=0, help="time this many Redis round trips instead")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.round_trips:
+        timings = round_trips(args.round_trips, args.batch)
+        print(json.dumps(timings) if args.json else "CPU per round trip at batch {}: {}".format(
+            args.batch, ", ".join(f"{way} {value:.0f} us" for way, value in timings.items())))
+        return
     harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs)
     harness.run(args.warmup)
     harness.seconds = dict.fromkeys(PHASES, 0.0)

@@ -28,7 +28,7 @@ NO_OPTIONS: dict = {}  # a write's keyword arguments when it has none (never cha
 
 
 def token_entry_id(index: int) -> str:
-    return f"0-{index + 1}"  # (written out on publish_token's short path)
+    return f"0-{index + 1}"
 
 
 @dataclass(eq=False)
@@ -108,7 +108,7 @@ class RequestOutputs:
             else:
                 payload = encode_token_event(index, outcome.token_id, piece, logprob=outcome.logprob,
                                              top_logprobs=outcome.top_logprobs)
-            write = Write(TOKEN_ENTRY, (output.stream_key, f"0-{index + 1}", payload), NO_OPTIONS, request_id)
+            write = Write(TOKEN_ENTRY, (output.stream_key, token_entry_id(index), payload), NO_OPTIONS, request_id)
             if not (self.holding.enabled and self.holding.keep(write)):
                 self.link.writes.append(write)
             return

@@ -414,7 +414,6 @@ class SchedulerPolicy:
         sampled = {token.request_id: token for token in result.tokens}
         outcomes: list[TokenOutcome] = []
         running, placements, prefix_caching = worker.running, flight.placements, self.prefix_caching
-        stop_token_ids, context_length = self.stop_token_ids, self.context_length
         for request_id, token_ids, start_position, sample, output_index, _ in flight.plan.items:
             state = running.get(request_id)
             if state is None or state.placement != placements.get(request_id):
@@ -442,14 +441,7 @@ class SchedulerPolicy:
                 continue  # already have it
             token_id = token.token_id
             output.append(token_id)
-            # (_finish_reason_after_output, written out: this runs for every token)
-            sampling = state.sampling
-            if token_id in stop_token_ids and not sampling.ignore_eos:
-                reason: FinishReason | None = "stop"
-            elif len(output) >= sampling.max_tokens or state.prompt_length + len(output) >= context_length:
-                reason = "length"
-            else:
-                reason = None
+            reason = self._finish_reason_after_output(state)
             if reason is not None:
                 self._end(state, reason)
             outcomes.append(TokenOutcome(state, token_id, output_index, reason, token.logprob, token.top_logprobs))
