@@ -40,12 +40,13 @@ from services.launcher import free_port, wait_for_redis  # noqa: E402
 from services.scheduler.held_results import ResultHolding  # noqa: E402
 from services.scheduler.output import RequestOutputs  # noqa: E402
 from services.scheduler.policy import SchedulerPolicy  # noqa: E402
-from services.scheduler.redis_link import TOKEN_ENTRY, RedisLink, Write, encoded  # noqa: E402
+from services.scheduler.redis_link import TOKEN_ENTRY, RedisLink, Write  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
 from shared.plans import PlanCodec, PlanReader, read_result  # noqa: E402
 from shared.redis_connection import connect  # noqa: E402
+from shared.redis_exchange import encoded  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from shared.wire import encode  # noqa: E402
 

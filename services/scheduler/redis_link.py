@@ -9,12 +9,9 @@ fails inside the transaction fails for its key (a key of the wrong type): the li
 `on_write_failed`. Every token entry of a round trip goes in one EVAL (TOKENS_SCRIPT): one
 command instead of one per token, which is most of what a round trip used to cost.
 
-The round trip is the scheduler's busiest Redis call, so it bypasses redis-py's pipeline
-machinery (response callbacks, retries, a connection taken from the pool and given back, a time
-limit per reply: about 200 microseconds of CPU a round trip, measured): redis-py's command methods
-still build every command's arguments, hiredis encodes them, and they go out on one connection the
-link keeps, whose replies are read back in order. An exchange broken off (an error, a cancel, the
-time limit) leaves replies unread on it, so the next one reconnects first.
+The round trip is the scheduler's busiest Redis call: redis-py's command methods build every
+command's arguments, and they go out as one Exchange (shared/redis_exchange.py: one write on a
+connection the link keeps, the replies read back in order, without redis-py's pipeline machinery).
 
 The input streams are trimmed to what this scheduler has read (nobody else reads them; a
 restarted scheduler rebuilds from the active set, not from them).
@@ -22,15 +19,14 @@ restarted scheduler rebuilds from the active set, not from them).
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-import hiredis
 import msgpack
 from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from shared import keys
+from shared.redis_exchange import Exchange
 
 log = logging.getLogger("iterserve.scheduler")
 T = TypeVar("T")
@@ -93,11 +89,6 @@ async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
         return await awaitable
 
 
-def encoded(commands: list[tuple]) -> bytes:
-    """Commands in Redis's protocol, one after another (hiredis: C, not redis-py's Python packer)."""
-    return b"".join([hiredis.pack_command(command) for command in commands])
-
-
 def text_of(value: bytes | str | None) -> str | None:
     if value is None:
         return None
@@ -115,8 +106,7 @@ class RedisLink:
         self.read_ids = {stream: "0-0" for stream in self.input_streams}  # where each input stream was read up to
         self._trimmed_ids = dict(self.read_ids)
         self._read_since_trim = 0
-        self._connection: Any = None  # the round trip's own connection (taken from the client's pool once)
-        self._broken_off = False  # an exchange on it ended before all its replies were read
+        self.exchange = Exchange(redis)  # the round trip's own connection
 
     def queue(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.writes.append(Write(command, args, kwargs))
@@ -174,7 +164,7 @@ class RedisLink:
         still runs after it), then one XREAD of the input streams, all in one write to Redis."""
         writes, commands, arguments = self.commands(block_ms, read)
         wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
-        replies = await bounded(self._exchange(arguments), wait_seconds)
+        replies = await bounded(self.exchange.send(arguments), wait_seconds)
         if commands:
             outcomes = replies[len(commands) + 1]
             if isinstance(outcomes, Exception):
@@ -203,23 +193,3 @@ class RedisLink:
         return [(stream, [(entry_id, dict(zip(fields[::2], fields[1::2])) if fields else {})
                           for entry_id, fields in stream_entries])
                 for stream, stream_entries in streams]
-
-    async def _exchange(self, commands: list[tuple]) -> list:
-        """Send the commands in one write and read their replies in order: an error reply is
-        returned in its place (a Redis that refuses a write), a lost connection raises."""
-        if self._connection is None:
-            self._connection = await self.redis.connection_pool.get_connection()
-        connection = self._connection
-        if self._broken_off:
-            await connection.disconnect()  # its unread replies go with it; the send reconnects
-        self._broken_off = True
-        await connection.send_packed_command(encoded(commands))
-        replies = []
-        for _ in commands:
-            try:
-                # No time limit per reply: the caller bounds the whole exchange.
-                replies.append(await connection.read_response(timeout=math.inf))
-            except ResponseError as error:
-                replies.append(error)
-        self._broken_off = False
-        return replies

@@ -41,6 +41,7 @@ from shared.model_file import load_metadata, weights_sha256
 from shared.served_models import served_models
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
+from shared.redis_exchange import Exchange
 from shared.plans import DecodedPlan, PlanReader
 from shared.wire import WireError, encode
 
@@ -75,6 +76,7 @@ class Worker:
     def __init__(self, settings: Settings, engine: Engine, worker_id: str):
         self.settings, self.engine, self.worker_id = settings, engine, worker_id
         self.redis = connect(settings.redis_url)
+        self.results = Exchange(self.redis)  # every result goes out on it (shared/redis_exchange.py)
         self.started_at = time.time()
         self.scheduler_epoch = ""
         self.draining = False
@@ -189,10 +191,13 @@ class Worker:
                 block_ms = DRAIN_BLOCK_MS if self.draining else PLAN_BLOCK_MS
                 if reading.done():
                     reading.result()  # it ends only when told to, or by failing: then so does the worker
-                try:  # a queue's get, not a Redis command: safe to time out
-                    entry_id, fields = await asyncio.wait_for(plans.get(), block_ms / 1000)
-                except TimeoutError:
-                    continue
+                if not plans.empty():  # the next plan read ahead during the step (at load: every one)
+                    entry_id, fields = plans.get_nowait()
+                else:
+                    try:  # a queue's get, not a Redis command: safe to time out
+                        entry_id, fields = await asyncio.wait_for(plans.get(), block_ms / 1000)
+                    except TimeoutError:
+                        continue
                 await self.handle(fields, stream, entry_id)
         finally:
             self.draining = True
@@ -338,17 +343,23 @@ class Worker:
                         handle, message)
 
     async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
-        """The result, and the plan stream trimmed up to its plan (nobody else reads it)."""
+        """The result, and the plan stream trimmed up to its plan (nobody else reads it). Sent again
+        until Redis takes it: at once the first time (a connection Redis dropped since the last
+        result, say on a restart), then every half second. (A result written twice is read once:
+        the scheduler takes one answer per plan.)"""
+        commands = [("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result),
+                    ("XTRIM", stream, "MINID", entry_id)]
+        wait = 0.0
         while True:
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(self.keys.results, {b"m": result}, maxlen=RESULTS_KEPT, approximate=True)
-                    pipe.xtrim(stream, minid=entry_id, approximate=False)
-                    await pipe.execute()
+                failed = [reply for reply in await self.results.send(commands) if isinstance(reply, Exception)]
+                if failed:
+                    raise failed[0]
                 return
             except (*RECONNECT_ERRORS, OutOfMemoryError, ReadOnlyError) as error:
                 log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan_id, error)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(wait)
+                wait = 0.5
 
     def failed(self, plan: BatchPlan, code: str, message: str) -> StepOutcome:
         """Every item of the plan in error: the scheduler rebuilds those requests elsewhere or later."""
