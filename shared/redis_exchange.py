@@ -7,8 +7,9 @@ call at batch 64, measured: `benchmarks/scheduler_cpu.py --round-trips 2000`.
 redis-py still connects (TLS, a password, the database), checks the connection's health and
 parses the replies; hiredis encodes the commands. An error reply comes back in its command's place,
 as redis-py's exception for it (OutOfMemoryError, ExecAbortError, ...); a lost connection raises.
-An exchange broken off (an error, a cancel, the caller's time limit) may leave replies unread on
-the connection, so the next one reconnects first. No time limit here: callers bound the call.
+An exchange broken off (an error, a cancel, the caller's time limit) leaves no reply to be read as
+the next one's: redis-py drops a connection whose send or read is interrupted, and the next send
+reconnects (tests/test_redis_exchange.py). No time limit here: callers bound the call.
 """
 
 import math
@@ -27,7 +28,6 @@ class Exchange:
     def __init__(self, client: Any) -> None:
         self.client = client  # a redis.asyncio client: its pool gives the connection, once
         self._connection: Any = None
-        self._broken_off = False  # an exchange on it ended before all its replies were read
         self._sending = False
 
     async def send(self, commands: list[tuple]) -> list:
@@ -45,9 +45,6 @@ class Exchange:
         if self._connection is None:
             self._connection = await self.client.connection_pool.get_connection()
         connection = self._connection
-        if self._broken_off:
-            await connection.disconnect()  # its unread replies go with it; the send reconnects
-        self._broken_off = True
         await connection.send_packed_command(encoded(commands))
         replies = []
         for _ in commands:
@@ -55,5 +52,4 @@ class Exchange:
                 replies.append(await connection.read_response(timeout=math.inf))
             except ResponseError as error:
                 replies.append(error)
-        self._broken_off = False
         return replies
