@@ -102,10 +102,16 @@ def kill_a_rank_while_it_runs(cluster: Cluster, group, prompts: list[str], max_t
     finish on a single-process worker started then, token-exact (against `expected`, or, when None,
     against the same requests run on that worker alone afterwards)."""
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        submitted_at = time.time()
         futures = [pool.submit(complete, cluster.base_url, prompt, max_tokens, model) for prompt in prompts]
         deadline = time.monotonic() + 60
         while not any(w["running"] == len(prompts) for w in status(cluster)["workers"]):
             assert time.monotonic() < deadline, "the group never ran the requests"
+            time.sleep(0.05)
+        # ... and decode: requests killed before their first token are rebuilt with no output to keep.
+        while not any(record.worker_id == group.worker_id and record.decode_tokens > 0
+                      and record.started_at > submitted_at for record in iteration_records(cluster)):
+            assert time.monotonic() < deadline, "the group never decoded"
             time.sleep(0.05)
         others = ranks_of(psutil.Process(group.process.pid))
         if rank == 0:  # the others die with it (PR_SET_PDEATHSIG)
