@@ -3,10 +3,11 @@
 `iterserve bench experiments control-plane` measures the scheduler inside the running system, where
 this 2-core machine's other processes (workers, Redis, the gateway) make every figure noisy. This
 drives the same code in one process: the real policy, plan codec, output (detokenization, stop
-strings, token entries) and the round trip's write packing (redis-py's command encoding and the
-token entries' msgpack), against a worker that answers from the worker's own PlanReader (not
-timed). Only the socket and Redis's own work are missing, so it isolates what the scheduler's code
-costs per worker-iteration at a given batch, phase by phase, as the service counts them.
+strings, token entries) and the round trip's write packing (redis-py's command arguments,
+hiredis's encoding, the token entries' msgpack), against a worker that answers from the worker's
+own PlanReader (timed apart). Only the socket, reading the replies and Redis's own work are
+missing, so it isolates what the scheduler's code costs per worker-iteration at a given batch,
+phase by phase, as the service counts them.
 
     .venv/bin/python benchmarks/scheduler_cpu.py [--batch 64] [--workers 2] [--iterations 3000]
     .venv/bin/python benchmarks/scheduler_cpu.py --round-trips 2000
