@@ -54,17 +54,12 @@ def encode_token_event(index: int, token_id: int, text: str, finish_reason: str 
     """A TokenEvent as the scheduler writes it: no model object built, no validation (the reader's)."""
     if finish_reason is None and logprob is None and not (top_logprobs or prompt_tokens or completion_tokens
                                                           or cached_tokens):
-        return _PACKER.pack((index, token_id, text))  # (encode_plain_token_event's)
+        return _PACKER.pack((index, token_id, text))  # most entries: the rest are defaults, left off
     fields = [index, token_id, text, finish_reason, prompt_tokens, completion_tokens, logprob, top_logprobs or None,
               cached_tokens]
     while len(fields) > 3 and fields[-1] == _TOKEN_EVENT_DEFAULTS[len(fields) - 4]:
         fields.pop()
     return _PACKER.pack(fields)
-
-
-def encode_plain_token_event(index: int, token_id: int, text: str) -> bytes:
-    """The token event of most tokens: every field after the text at its default, left off."""
-    return _PACKER.pack((index, token_id, text))
 
 
 def decode_token_event(data: bytes):

@@ -36,6 +36,8 @@ class ResultHolding:
 
     def keep(self, write: Write) -> bool:
         """True when the write belongs to a held request (it waits here); False: send it now."""
+        if not self.enabled:
+            return False  # (every token's write asks: the iteration policy holds nothing)
         held = self._held.get(write.request_id) if write.request_id else None
         if held is None:
             return False

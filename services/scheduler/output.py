@@ -19,12 +19,11 @@ from services.scheduler.request_state import RequestState
 from shared import keys
 from shared.messages import FinishReason, RequestRecord
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back_length
-from shared.wire import encode_plain_token_event, encode_token_event
+from shared.wire import encode_token_event
 
 log = logging.getLogger("iterserve.scheduler")
 
 REMEMBERED_IDS = 100_000  # recently finished ids: a duplicate new-request entry is not loaded again
-NO_OPTIONS: dict = {}  # a write's keyword arguments when it has none (never changed)
 
 
 def token_entry_id(index: int) -> str:
@@ -36,7 +35,6 @@ class OutputText:
     """A request's output text as streamed so far."""
 
     detokenizer: IncrementalDetokenizer
-    stream_key: str  # its token stream
     emitted: int = 0  # characters of detokenizer.text already sent in TokenEvents
     checked: int = 0  # characters already searched for stop strings
 
@@ -75,8 +73,7 @@ class RequestOutputs:
 
     def start(self, record: RequestRecord, output_token_ids: list[int], emitted_text: int) -> str:
         """A request's output so far (loaded from Redis, or empty); returns its text."""
-        output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids),
-                            keys.token_stream(record.request_id))
+        output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids))
         for token_id in output_token_ids:
             output.detokenizer.push(token_id)
         output.emitted = emitted_text
@@ -102,15 +99,8 @@ class RequestOutputs:
         if finish is None and not stop and output.emitted == detokenizer.length - len(piece):
             # The common case, every step of most requests: nothing held back, nothing ends here.
             output.emitted = detokenizer.length
-            index = outcome.output_index
-            if outcome.logprob is None:
-                payload = encode_plain_token_event(index, outcome.token_id, piece)
-            else:
-                payload = encode_token_event(index, outcome.token_id, piece, logprob=outcome.logprob,
-                                             top_logprobs=outcome.top_logprobs)
-            write = Write(TOKEN_ENTRY, (output.stream_key, token_entry_id(index), payload), NO_OPTIONS, request_id)
-            if not (self.holding.enabled and self.holding.keep(write)):
-                self.link.writes.append(write)
+            self.token_event(request_id, outcome.output_index, outcome.token_id, piece, logprob=outcome.logprob,
+                             top_logprobs=outcome.top_logprobs)
             return
         text = detokenizer.text
         end = len(text)
@@ -187,7 +177,7 @@ class RequestOutputs:
     def _write(self, request_id: str, command: str, *args: Any, **kwargs: Any) -> None:
         """A write to one request's keys (held while its request-level batch runs)."""
         write = Write(command, args, kwargs, request_id)
-        if not (self.holding.enabled and self.holding.keep(write)):
+        if not self.holding.keep(write):
             self.link.writes.append(write)
 
     def expire_unreadable(self, request_id: str) -> None:

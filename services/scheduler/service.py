@@ -252,10 +252,8 @@ class SchedulerService:
         outcomes = self.policy.on_result(result)
         applied = time.process_time()
         self.phase_cpu["apply"] += applied - started
-        holding = self.holding.enabled
         for outcome in outcomes:
-            if holding:
-                self.holding.hold(outcome.request.request_id, result.worker_id)
+            self.holding.hold(outcome.request.request_id, result.worker_id)
             self.outputs.publish_token(outcome)  # may end a request on a stop string: before the records
         self.outputs.publish_finished_without_token()
         records = self.policy.take_iteration_records()
