@@ -3,12 +3,16 @@ wait for what its JavaScript renders, read it, take a screenshot. For the dashbo
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
@@ -42,7 +46,8 @@ class Browser:
             [chromium_binary(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--remote-debugging-port=0",
              f"--user-data-dir={self.profile.name}", f"--window-size={self.width},{self.height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)  # its own process group: its helper processes go with it
         port = await asyncio.wait_for(asyncio.to_thread(self._devtools_port), 60)
         self.session = aiohttp.ClientSession()
         async with self.session.get(f"http://127.0.0.1:{port}/json/list") as response:
@@ -65,10 +70,19 @@ class Browser:
         if self.session is not None:
             await self.session.close()
         if self.process is not None:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # the browser and its helpers, which write the profile
             self.process.wait(timeout=30)
             self.process.stderr.close()
-        self.profile.cleanup()
+        deadline = time.monotonic() + 10
+        while True:  # a helper killed with the group may still be exiting, its last files being written
+            try:
+                self.profile.cleanup()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     async def call(self, method: str, **params) -> dict:
         message_id = next(self._ids)
