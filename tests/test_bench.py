@@ -486,10 +486,11 @@ def test_control_plane_figures_from_two_status_snapshots():
     assert largest_busy_fleet(rows, "p") == 8 and largest_busy_fleet(rows, "other") == 0
     report = {"quick": False, "machine": {"cores": 2}, "date": "d", "largest_busy_fleet": {"h100-llama3-8b": 0},
               "sizes": {"requests_per_worker": 96, "prompt_tokens": 32, "output_tokens": 256, "max_batch_size": 64,
-                        "seconds": 10, "warmup_seconds": 5},
+                        "pipeline_depth": 2, "seconds": 10, "warmup_seconds": 5},
               "pool": [{"profile": "h100-llama3-8b", "workers": 2, **figures}]}
     text = markdown(report)
     assert "EMULATED" in text and "| h100-llama3-8b | 5.00 | 2 | 48.0 | 0.80 | 0.88 | 200 | 30% | 1500 | 500 |" in text
+    assert "2 plans in flight per worker" in text
 
 
 @pytest.mark.slow

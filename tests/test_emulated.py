@@ -252,3 +252,57 @@ def test_the_gpu_check_writes_a_profile_the_emulated_executor_loads(tmp_path, mo
     for batch, seconds in steps.items():
         assert profile.decode_step_seconds(batch, 256) == pytest.approx(seconds, rel=1e-3)
     assert gpu_check.measured_profile(rows, torch.device("cpu"), 0.0, "none", tmp_path) is None
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_runs_the_plans_read_ahead_back_to_back_and_answers_them_in_order(redis_client, redis_url):
+    """Plans queued faster than steps run: the worker's step thread goes from one to the next
+    without a hop back to the event loop, and the results still go out one at a time, in plan
+    order, each with the tokens of its own step."""
+    import asyncio
+
+    from services.worker.service import Worker
+    from shared import keys
+    from shared.config import Settings
+    from shared.messages import BatchPlan, NewRequest
+    from shared.plans import PlanCodec, read_result
+
+    settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
+                        drain_seconds=0.5)  # (it still holds r1 at the end)
+    # Steps that take no time: results come faster than Redis takes them, so publishes would overlap.
+    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 8, 49152, 2048, sleep=lambda seconds: None)
+    worker = Worker(settings, engine, "w-ahead")
+    hops = []
+    run_ready = worker._run_ready
+    worker._run_ready = lambda *args: (hops.append(len(worker._ready)), run_ready(*args))[1]
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    codec, stream, prompt, seed, steps = PlanCodec(), keys.plan_stream("w-ahead"), (5, 6, 7), 11, 16
+    plans = [BatchPlan(scheduler_epoch="e1", plan_id=1, worker_id="w-ahead", new_requests=(
+        NewRequest(request_id="r1", sampling=SamplingParams(max_tokens=steps, seed=seed)),),
+        items=(StepItem("r1", prompt, 0, True, 0),))]
+    plans += [BatchPlan(scheduler_epoch="e1", plan_id=index + 1, worker_id="w-ahead",
+                        items=(StepItem("r1", (), len(prompt) + index - 1, True, index, True),))
+              for index in range(1, steps)]
+    try:
+        await asyncio.sleep(0.3)  # the worker is reading its plan stream
+        async with redis_client.pipeline(transaction=False) as pipe:
+            for plan in plans:
+                pipe.xadd(stream, {"m": codec.encode(plan)})
+            await pipe.execute()
+        answers, last = [], "-"
+        async with asyncio.timeout(20):
+            while len(answers) < steps:
+                for entry_id, fields in await redis_client.xrange(worker.keys.results, min=last):
+                    if entry_id != last:
+                        answers.append(codec.decode_result(read_result(fields[b"m"])[1]))
+                        last = entry_id
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+    assert [answer.plan_id for answer in answers] == list(range(1, steps + 1))
+    assert [[(token.request_id, token.output_index, token.token_id) for token in answer.tokens]
+            for answer in answers] == [[("r1", index, emulated_token(seed, index, engine.vocab_size))]
+                                       for index in range(steps)]
+    assert len(hops) < steps / 2, f"the step thread went back to the loop after most plans: {hops}"

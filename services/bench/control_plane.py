@@ -66,6 +66,7 @@ class Sizes:
     prompt_tokens: int = 32
     output_tokens: int = 256
     max_batch_size: int = 64
+    pipeline_depth: int = 2  # plans in flight per worker (the system's default)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
     http_clients: int = 16
@@ -184,7 +185,8 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
     blocks_per_worker = sizes.requests_per_worker * -(-(sizes.prompt_tokens + sizes.output_tokens) // 16) + 256
     return ServerProcess(workers=workers, kv_blocks=blocks_per_worker,
                          extra_args=("--executor", "emulated", "--hardware", profile,
-                                     "--max-batch-size", str(sizes.max_batch_size)),
+                                     "--max-batch-size", str(sizes.max_batch_size),
+                                     "--pipeline-depth", str(sizes.pipeline_depth)),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
 
 
@@ -252,7 +254,8 @@ def markdown(report: dict) -> str:
         "`--executor emulated --hardware PROFILE`: real gateway, Redis, scheduler and worker processes; the step "
         "takes the time the profile's roofline gives (no model runs). The pool holds "
         f"{report['sizes']['requests_per_worker']} active requests per worker ({report['sizes']['prompt_tokens']}-token "
-        f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}; "
+        f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}, "
+        f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`); "
         f"measured over {report['sizes']['seconds']:g} s after a {report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
         "| profile (emulated) | step ms | workers | batch | busy min | busy mean | plans/s | scheduler CPU | "
@@ -326,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profiles", help="comma-separated profile names (default: the three step times)")
     parser.add_argument("--fleets", help="comma-separated worker counts (default 1,2,4,8,16)")
     parser.add_argument("--seconds", type=float, help="measured window per configuration")
+    parser.add_argument("--pipeline-depth", type=int, help="plans in flight per worker (default 2, the system's)")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, or .../quick)")
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["fleets"] = tuple(int(value) for value in args.fleets.split(","))
     if args.seconds:
         overrides["seconds"] = args.seconds
+    if args.pipeline_depth:
+        overrides["pipeline_depth"] = args.pipeline_depth
     if overrides:
         sizes = Sizes(**{**asdict(sizes), **overrides})
     out_dir = (args.out or (RESULTS / "quick" if args.quick else RESULTS)).resolve()

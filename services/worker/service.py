@@ -3,9 +3,11 @@
 Loop: take the next BatchPlan, free what the plan says, run the step in the engine (in a thread,
 so heartbeats go on), publish the PlanResult. Redis round trips overlap the steps: a reader task
 fetches the plans ahead into a small queue (the scheduler sends the next plan while one runs), and
-a step's result is published while the next step runs (in order: one publish in flight). Run one
-after the other, the two round trips and the thread hop left a GPU-speed step idle 3-4 ms per
-iteration (measured with emulated 26 ms steps: 88% busy). A worker group of several pipeline
+a step's result is published while the next step runs (in order). Run one after the other, the two
+round trips and the thread hop left a GPU-speed step idle 3-4 ms per iteration (measured with
+emulated 26 ms steps: 88% busy). The step thread also decodes each plan and encodes its result,
+and goes on to the next plan read ahead without a hop back to the event loop: two hops and a turn
+of the loop were half of what remained between two steps (measured with emulated 3.4 ms steps). A worker group of several pipeline
 stages (services/worker/group.py) starts a plan and reads the next while the plan's later stages
 run, and publishes each result, in order, when its tokens are back. A heartbeat key with a TTL
 announces the worker; when the key expires the scheduler moves its requests elsewhere.
@@ -20,6 +22,7 @@ No Redis command is ever cancelled (see shared/redis_connection.py): loops stop 
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -85,6 +88,10 @@ class Worker:
         self._heartbeat_stop = asyncio.Event()
         self._reading_stop = asyncio.Event()
         self._publishing: asyncio.Task | None = None  # the last result's publish
+        # Plans read ahead, in order: the reader appends, the step thread takes (a deque's append
+        # and popleft are atomic); _plan_arrived wakes the loop when it waits for one.
+        self._ready: collections.deque[tuple[bytes, dict]] = collections.deque()
+        self._plan_arrived = asyncio.Event()
         self._consecutive_oom = 0
         # A worker group of several pipeline stages runs up to `stages` plans at once: each launched
         # in the engine's own thread (one at a time, in order), finished when the last stage's
@@ -170,11 +177,11 @@ class Worker:
         last = await self.redis.xrevrange(stream, count=1)
         last_id = last[0][0] if last else b"0-0"
         heartbeat = asyncio.create_task(self.heartbeat_forever())
-        plans: asyncio.Queue = asyncio.Queue(maxsize=PREFETCH_PLANS)
-        reading = asyncio.create_task(self._read_plans(stream, last_id, plans))
+        reading = asyncio.create_task(self._read_plans(stream, last_id))
         log.info("event=worker_ready worker=%s pid=%d device=%s kv_blocks=%d threads=%d", self.worker_id,
                  os.getpid(), self.device, self.engine.kv_cache.blocks_total, torch.get_num_threads())
         drain_deadline = 0.0
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 if stop_event.is_set():
@@ -191,19 +198,24 @@ class Worker:
                 block_ms = DRAIN_BLOCK_MS if self.draining else PLAN_BLOCK_MS
                 if reading.done():
                     reading.result()  # it ends only when told to, or by failing: then so does the worker
-                if not plans.empty():  # the next plan read ahead during the step (at load: every one)
-                    entry_id, fields = plans.get_nowait()
-                else:
-                    try:  # a queue's get, not a Redis command: safe to time out
-                        entry_id, fields = await asyncio.wait_for(plans.get(), block_ms / 1000)
+                if self.stages == 1 and self._publishing is not None and self._publishing.done():
+                    self._publishing.result()  # a result Redis refused for good ends the worker, as it did
+                if not self._ready:  # (at load the next plan was read ahead during the step: every one)
+                    self._plan_arrived.clear()
+                    try:  # an event, not a Redis command: safe to time out
+                        await asyncio.wait_for(self._plan_arrived.wait(), block_ms / 1000)
                     except TimeoutError:
-                        continue
-                await self.handle(fields, stream, entry_id)
+                        pass
+                    continue  # the stop and drain checks first
+                if self.stages > 1:
+                    entry_id, fields = self._ready.popleft()
+                    await self.handle(fields, stream, entry_id)
+                else:
+                    await asyncio.to_thread(self._run_ready, stream, loop, stop_event)
         finally:
             self.draining = True
             self._reading_stop.set()
-            while not plans.empty():  # plans read ahead and not run: a reader waiting to add one goes on
-                plans.get_nowait()
+            self._ready.clear()  # plans read ahead and not run
             # Bounded, and without raising over what ended the loop: every step that ran has its
             # result out (or Redis is gone), and the reader stops after its current XREAD.
             tasks = {reading} | ({self._publishing} if self._publishing is not None else set())
@@ -211,11 +223,15 @@ class Worker:
             self._heartbeat_stop.set()
             await self._deregister(heartbeat)
 
-    async def _read_plans(self, stream: str, last_id: bytes, plans: asyncio.Queue) -> None:
+    async def _read_plans(self, stream: str, last_id: bytes) -> None:
         """Fetch this worker's plans ahead while steps run, in order, until told to stop."""
         while not self._reading_stop.is_set():
+            if len(self._ready) >= PREFETCH_PLANS:  # enough ahead (the scheduler keeps fewer in flight)
+                await asyncio.sleep(0.002)
+                continue
             try:
-                replies = await self.redis.xread({stream: last_id}, count=PREFETCH_PLANS, block=READ_BLOCK_MS)
+                replies = await self.redis.xread({stream: last_id}, count=PREFETCH_PLANS - len(self._ready),
+                                                 block=READ_BLOCK_MS)
             except RECONNECT_ERRORS as error:
                 log.warning("event=redis_unavailable worker=%s error=%r", self.worker_id, error)
                 await asyncio.sleep(0.5)
@@ -223,8 +239,8 @@ class Worker:
             for _, entries in replies:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    await plans.put((entry_id, fields))
-
+                    self._ready.append((entry_id, fields))
+                    self._plan_arrived.set()
 
     async def _start_draining(self) -> None:
         """Say so at once (not at the next heartbeat): the scheduler stops sending new requests."""
@@ -255,23 +271,28 @@ class Worker:
             log.warning("event=deregister_failed worker=%s error=%r", self.worker_id,
                         task.exception() if task in done else "timeout")
 
-    async def handle(self, fields: dict, stream: str, entry_id: bytes) -> None:
-        """Run one plan and publish its result, trimming the plan stream up to it (nobody else
-        reads it). Raises EngineBroken when the engine can no longer compute."""
-        try:
-            decoded = self.reader.decode(fields.get(b"m", b""), self.engine.kv_length, self.worker_id)
-        except WireError as error:
-            log.warning("event=bad_plan worker=%s error=%s", self.worker_id, error)
-            return
-        if decoded is None:  # run already: its result is out (or lost with the Redis that lost it)
-            log.warning("event=duplicate_plan worker=%s entry=%s", self.worker_id, entry_id)
-            return
+    def _run_ready(self, stream: str, loop: asyncio.AbstractEventLoop, stop_event: asyncio.Event) -> None:
+        """In the step thread: run the plans read ahead (at least one: the loop calls it with one
+        ready), one after the other, until none is left or the worker is told to stop (after each
+        plan the loop then checks whether to drain or leave); each result is handed to the loop to
+        publish, in order."""
+        while True:
+            entry_id, fields = self._ready.popleft()
+            ran = self._run_plan(fields, entry_id)
+            if ran is not None:
+                loop.call_soon_threadsafe(self._queue_publish, ran[0], stream, entry_id, ran[1])
+            if not self._ready or stop_event.is_set():
+                return
+
+    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[bytes, int] | None:
+        """One plan: its result on the wire and its id (None for a plan not to run). Raises
+        EngineBroken when the engine can no longer compute."""
+        decoded = self._decode(fields, entry_id)
+        if decoded is None:
+            return None
         plan = decoded.plan
-        if self.stages > 1:
-            await self._launch_staged(decoded, stream, entry_id)
-            return
         try:
-            result, outcome = await asyncio.to_thread(self.execute, decoded)
+            result, outcome = self.execute(decoded)
             self.busy_seconds += outcome.seconds
             self._consecutive_oom = 0
         except Exception as failure:
@@ -287,9 +308,29 @@ class Worker:
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
             result = self._encode(decoded, outcome)
         self._log_refusals(decoded, outcome)
-        if self._publishing is not None:  # results go out in order: the previous one had a whole step to go
-            await self._publishing
-        self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan.plan_id))
+        return result, plan.plan_id
+
+    def _queue_publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
+        """Publish a result after the one before it (results go out in order)."""
+        self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan_id,
+                                                             after=self._publishing))
+
+    def _decode(self, fields: dict, entry_id: bytes) -> DecodedPlan | None:
+        try:
+            decoded = self.reader.decode(fields.get(b"m", b""), self.engine.kv_length, self.worker_id)
+        except WireError as error:
+            log.warning("event=bad_plan worker=%s error=%s", self.worker_id, error)
+            return None
+        if decoded is None:  # run already: its result is out (or lost with the Redis that lost it)
+            log.warning("event=duplicate_plan worker=%s entry=%s", self.worker_id, entry_id)
+        return decoded
+
+    async def handle(self, fields: dict, stream: str, entry_id: bytes) -> None:
+        """A worker group of pipeline stages: start one plan (its result is published when its
+        tokens are back). Raises EngineBroken when the engine can no longer compute."""
+        decoded = self._decode(fields, entry_id)
+        if decoded is not None:
+            await self._launch_staged(decoded, stream, entry_id)
 
     async def _launch_staged(self, decoded: DecodedPlan, stream: str, entry_id: bytes) -> None:
         """Pipeline stages: start the plan's step and return (the next plan's first stage may run
@@ -342,11 +383,14 @@ class Worker:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
 
-    async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
-        """The result, and the plan stream trimmed up to its plan (nobody else reads it). Sent again
-        until Redis takes it: at once the first time (a connection Redis dropped since the last
-        result, say on a restart), then every half second. (A result written twice is read once:
-        the scheduler takes one answer per plan.)"""
+    async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int,
+                       after: asyncio.Task | None = None) -> None:
+        """The result, and the plan stream trimmed up to its plan (nobody else reads it), once the
+        publish `after` is done. Sent again until Redis takes it: at once the first time (a
+        connection Redis dropped since the last result, say on a restart), then every half second.
+        (A result written twice is read once: the scheduler takes one answer per plan.)"""
+        if after is not None:
+            await after
         commands = [("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result),
                     ("XTRIM", stream, "MINID", entry_id)]
         wait = 0.0
