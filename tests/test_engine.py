@@ -222,6 +222,48 @@ def test_batched_decode_over_many_steps_equals_the_per_request_path(workspace_to
     assert longest > 150, "some request should have outgrown the workspace's first capacity"
 
 
+def test_decode_only_steps_with_workspace_rows_in_and_out_of_step_order_equal_the_per_request_path(monkeypatch):
+    """A decode-only step takes the workspace's short path (no gather of q, no scatter of the
+    output, K and V written straight from the step). Its rows follow the step's order until a
+    request leaves (the workspace's last row moves into the hole) or the items come in another
+    order; both cases give the per-request path's logits."""
+    import services.worker.attention as attention
+
+    in_step_order = []
+    short_path = attention._attend_workspace_only
+
+    def recording(q, k, v, ws, layer):
+        if layer == 0:
+            in_step_order.append(ws.row_of_token is None)
+        return short_path(q, k, v, ws, layer)
+
+    monkeypatch.setattr(attention, "_attend_workspace_only", recording)
+    reference = tiny_engine(kv_blocks=256, kv_block_size=4, attention="per_request")
+    batched = tiny_engine(kv_blocks=256, kv_block_size=4, attention="batched", decode_workspace_tokens=4096)
+    rng = random.Random(3)
+    live = {f"r{index}": [rng.randrange(256) for _ in range(length)] for index, length in enumerate((3, 9, 5, 12, 7))}
+    for engine in (reference, batched):
+        for request_id in live:
+            engine.add_request(request_id, GREEDY)
+    first = [prefill_item(request_id, prompt) for request_id, prompt in live.items()]
+    steps = [first] + [None] * 8
+    for step_index, items in enumerate(steps):
+        if step_index == 4:  # r1 leaves: the workspace's last row takes its place
+            for engine in (reference, batched):
+                engine.free("r1")
+            del live["r1"]
+        if items is None:
+            order = sorted(live, reverse=step_index >= 6)  # the items in another order, too
+            items = [decode_item(request_id, live[request_id][-1], len(live[request_id]) - 1, 1) for request_id in order]
+        expected = reference.step(items, return_logits=True)
+        actual = batched.step(items, return_logits=True)
+        for request_id, logits in expected.logits.items():
+            torch.testing.assert_close(actual.logits[request_id], logits, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"step {step_index}, {request_id}: {m}")
+            live[request_id].append(expected.tokens[request_id])
+    assert True in in_step_order and False in in_step_order, in_step_order
+
+
 def test_static_decode_steps_padded_to_buckets_equal_the_per_request_path():
     """Decode-only steps in fixed shapes (what CUDA graphs replay): batches padded to the next
     bucket, contexts cut to a bucket, padding rows writing to the scratch block. Every real row's

@@ -65,14 +65,19 @@ class PaddedGroup:
 class WorkspaceGroup:
     """Batched path, decode tokens whose context sits in a DecodeWorkspace, one row each."""
 
-    keys: torch.Tensor  # [layers, rows, Hkv, capacity, D]: the workspace's tensors
-    values: torch.Tensor
+    layer_keys: list[torch.Tensor]  # per layer [rows, Hkv, capacity, D]: the workspace's tensors
+    layer_values: list[torch.Tensor]
     token_rows: torch.Tensor  # [R]: the step row of workspace row r's token
     row_index: torch.Tensor  # [R]: 0 .. R-1
     positions: torch.Tensor  # [R]: where row r's new K/V goes in its row
-    slots: torch.Tensor  # [R]: and in the pool (written there first, copied from there)
     mask: torch.Tensor  # [R, 1, 1, max_context] bool
     max_context: int
+    # A decode-only step (every token of the step is a row here; the common step): the workspace
+    # row of step token t, None when that is t itself. Then no per-layer op reorders rows or
+    # scatters the output (the fewer ops a layer launches, the less a GPU step waits on the host).
+    every_token: bool = False
+    row_of_token: torch.Tensor | None = None  # [T]
+    position_of_token: torch.Tensor | None = None  # [T]
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,11 @@ def _long(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def build_batch(mode: AttentionMode, layout: StepLayout, slot_mapping: torch.Tensor, kv_cache: PagedKVCache,
                 group: int, kv_width: int, device: torch.device, dtype: torch.dtype,
-                workspace: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> AttentionBatch:
+                workspace: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None) -> AttentionBatch:
     """Everything attention needs for one step, built once and shared by all layers.
     group: query heads per KV head (G); kv_width: Hkv * D. workspace (batched mode): a
-    DecodeWorkspace's keys and values and the row of each decode request (query_count 1), in
-    item order, as DecodeWorkspace.prepare returned them."""
+    DecodeWorkspace's per-layer keys and values and the row of each decode request (query_count
+    1), in item order, as DecodeWorkspace.prepare returned them."""
     num_tokens = slot_mapping.numel()
     block_size = kv_cache.block_size
     if mode == "per_request":  # Orca's reference: one attention call per request (a loop on purpose)
@@ -130,32 +135,39 @@ def build_batch(mode: AttentionMode, layout: StepLayout, slot_mapping: torch.Ten
     chunks = np.flatnonzero(layout.query_counts > 1)
     workspace_group = None
     if workspace is not None and decodes.size:
-        workspace_group = _workspace_group(layout, decodes, *workspace, slot_mapping, device)
+        workspace_group = _workspace_group(layout, decodes, *workspace, num_tokens, device)
         decodes = decodes[:0]
     groups = tuple(_padded_group(layout, members, num_tokens, kv_cache, group, kv_width, device, dtype)
                    for members in (decodes, chunks) if members.size)
     return AttentionBatch(mode, num_tokens, block_size, slot_mapping, (), groups, workspace_group)
 
 
-def _workspace_group(layout: StepLayout, decodes: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
-                     rows: list[int], slot_mapping: torch.Tensor, device: torch.device) -> WorkspaceGroup:
-    order = np.argsort(np.asarray(rows), kind="stable")  # workspace row r <- its decode request
-    if not np.array_equal(np.asarray(rows)[order], np.arange(len(rows))):
+def _workspace_group(layout: StepLayout, decodes: np.ndarray, layer_keys: list[torch.Tensor],
+                     layer_values: list[torch.Tensor], rows: list[int], num_tokens: int,
+                     device: torch.device) -> WorkspaceGroup:
+    rows_array = np.asarray(rows)
+    order = np.argsort(rows_array, kind="stable")  # workspace row r <- its decode request
+    if not np.array_equal(rows_array[order], np.arange(len(rows))):
         raise ValueError(f"workspace rows must be exactly 0 .. {len(rows) - 1}, got {sorted(rows)}")
     members = decodes[order]
     starts = layout.start_positions[members]
     max_context = int(starts.max()) + 1
-    token_rows = _long(layout.query_starts[members], device)
     starts_tensor = _long(starts, device)
+    row_index = torch.arange(len(rows), device=device)
+    every_token = len(rows) == num_tokens  # then decode i is step token i
+    in_order = every_token and np.array_equal(rows_array, np.arange(len(rows)))
     return WorkspaceGroup(
-        keys=keys, values=values,
-        token_rows=token_rows,
-        row_index=torch.arange(len(rows), device=device),
+        layer_keys=layer_keys, layer_values=layer_values,
+        token_rows=_long(layout.query_starts[members], device),
+        row_index=row_index,
         positions=starts_tensor,
-        slots=slot_mapping.index_select(0, token_rows),
         mask=(torch.arange(max_context, device=device).unsqueeze(0) <= starts_tensor.unsqueeze(1))
         .view(len(rows), 1, 1, max_context),
         max_context=max_context,
+        every_token=every_token,
+        row_of_token=None if in_order or not every_token else _long(rows_array, device),
+        position_of_token=(starts_tensor if in_order else _long(layout.start_positions[decodes], device))
+        if every_token else None,
     )
 
 
@@ -199,15 +211,19 @@ def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, block_size: int,
     return gathered.view(blocks.numel() * block_size, *pool.shape[1:])
 
 
-def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, batch: AttentionBatch,
-           layer: int) -> torch.Tensor:
-    """q [T, Hq, D], this layer's pools [slots, Hkv, D] (this step's K/V already written) -> [T, Hq*D]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+           batch: AttentionBatch, layer: int) -> torch.Tensor:
+    """q [T, Hq, D], this step's k and v [T, Hkv, D], this layer's pools [slots, Hkv, D] (k and v
+    already written there) -> [T, Hq*D]."""
     num_tokens, n_heads, head_dim = q.shape
     n_kv_heads = key_pool.shape[1]
     group = n_heads // n_kv_heads
     block_size = batch.block_size
     if (static := batch.static_decode) is not None:
         return _attend_static_decode(q, key_pool, value_pool, static, block_size)
+    ws = batch.workspace_group
+    if ws is not None and ws.every_token:
+        return _attend_workspace_only(q, k, v, ws, layer)
     out = q.new_empty(num_tokens, n_heads * head_dim)
     for span in batch.spans:
         count, context = span.query_count, span.context_length
@@ -233,16 +249,33 @@ def attend(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, ba
         o = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=padded.mask)  # [b, Hkv, G*Lmax, D]
         o = o.view(b, n_kv_heads, group, lmax, head_dim).permute(0, 3, 1, 2, 4).reshape(b * lmax, n_heads * head_dim)
         out[padded.token_rows] = o[padded.real_rows]
-    if (ws := batch.workspace_group) is not None:
+    if ws is not None:
         rows = ws.row_index.numel()
-        ws_keys, ws_values = ws.keys[layer], ws.values[layer]  # [rows, Hkv, capacity, D]
-        ws_keys[ws.row_index, :, ws.positions] = key_pool.index_select(0, ws.slots)
-        ws_values[ws.row_index, :, ws.positions] = value_pool.index_select(0, ws.slots)
+        ws_keys, ws_values = ws.layer_keys[layer], ws.layer_values[layer]  # [rows, Hkv, capacity, D]
+        ws_keys[ws.row_index, :, ws.positions] = k.index_select(0, ws.token_rows)
+        ws_values[ws.row_index, :, ws.positions] = v.index_select(0, ws.token_rows)
         q_w = q.index_select(0, ws.token_rows).view(rows, n_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(q_w, ws_keys[:rows, :, : ws.max_context],
                                            ws_values[:rows, :, : ws.max_context], attn_mask=ws.mask)
         out[ws.token_rows] = o.reshape(rows, n_heads * head_dim)
     return out
+
+
+def _attend_workspace_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ws: WorkspaceGroup,
+                           layer: int) -> torch.Tensor:
+    """A decode-only step, every row in the workspace: the new K and V go to their rows straight
+    from the step's tensors, and the output needs no scatter (nor, rows in step order, a gather)."""
+    rows, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    ws_keys, ws_values = ws.layer_keys[layer], ws.layer_values[layer]  # [rows, Hkv, capacity, D]
+    write_rows = ws.row_index if ws.row_of_token is None else ws.row_of_token
+    ws_keys[write_rows, :, ws.position_of_token] = k
+    ws_values[write_rows, :, ws.position_of_token] = v
+    q_w = q if ws.row_of_token is None else q.index_select(0, ws.token_rows)  # workspace row order
+    o = F.scaled_dot_product_attention(q_w.view(rows, n_kv_heads, n_heads // n_kv_heads, head_dim),
+                                       ws_keys[:rows, :, : ws.max_context], ws_values[:rows, :, : ws.max_context],
+                                       attn_mask=ws.mask).reshape(rows, n_heads * head_dim)
+    return o if ws.row_of_token is None else o.index_select(0, ws.row_of_token)  # back in step order
 
 
 def _attend_static_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, static: StaticDecode,

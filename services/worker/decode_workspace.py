@@ -36,6 +36,8 @@ class DecodeWorkspace:
         self.rows_hint = rows_hint  # rows to allocate at once (the batch size): a reallocation is costly
         self.keys: torch.Tensor | None = None  # [layers, rows, Hkv, capacity, D]
         self.values: torch.Tensor | None = None
+        self.layer_keys: list[torch.Tensor] = []  # each layer's view, made once per allocation
+        self.layer_values: list[torch.Tensor] = []
         self._row_of: dict[int, int] = {}  # a request's KV-cache row -> its row here
         self._order: list[int] = []  # the KV-cache row of each used row
         self._length: dict[int, int] = {}  # tokens of each row that match the pool
@@ -72,6 +74,7 @@ class DecodeWorkspace:
         """Forget every row and release the memory."""
         self.forget()
         self.keys = self.values = None
+        self.layer_keys, self.layer_values = [], []
 
     def prepare(self, decodes: list[tuple[int, int]]) -> list[int] | None:
         """Make the rows hold exactly these (request id, start position) decode requests, each
@@ -134,6 +137,7 @@ class DecodeWorkspace:
                 new[:, row, :, :length] = old[:, row, :, :length]
                 new[:, row, :, length:context] = 0
         self.keys, self.values, self._finite_context = keys, values, context
+        self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
         return True
 
     def _fill(self, kv_row: int, start: int) -> None:

@@ -280,7 +280,7 @@ class Engine(RequestRows):
                 if self.workspace is not None and self.attention == "batched" and decodes.any():
                     workspace_rows = self.workspace.prepare(list(zip(rows[decodes].tolist(), starts[decodes].tolist())))
                     if workspace_rows is not None:
-                        workspace = (self.workspace.keys, self.workspace.values, workspace_rows)
+                        workspace = (self.workspace.layer_keys, self.workspace.layer_values, workspace_rows)
                 layout = StepLayout(rows, query_starts, counts, starts)
                 batch = build_batch(self.attention, layout, slot_mapping, kv_cache, config.n_heads // config.n_kv_heads,
                                     config.n_kv_heads * config.head_dim, device, self.model.dtype, workspace)

@@ -172,6 +172,8 @@ class PagedKVCache(BlockTables):
         shape = (n_layers, (num_blocks + scratch_block) * block_size, n_kv_heads, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [layers, slots, Hkv, D]
         self.values = torch.zeros(shape, device=device, dtype=dtype)
+        # Each layer's [slots, Hkv, D] view, made once: indexing keys[layer] is an op every layer of every step.
+        self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
         # The tables on the device, for kernels that read the pool in place (CUDA); rows are copied
         # when they change. On the CPU the host array is the table.
         self.device_block_tables = (torch.zeros(self.block_tables.shape, dtype=torch.int32, device=device)
@@ -183,5 +185,5 @@ class PagedKVCache(BlockTables):
 
     def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new K and V ([T, Hkv, D]) at their slots ([T])."""
-        self.keys[layer].index_copy_(0, slot_mapping, keys)
-        self.values[layer].index_copy_(0, slot_mapping, values)
+        self.layer_keys[layer].index_copy_(0, slot_mapping, keys)
+        self.layer_values[layer].index_copy_(0, slot_mapping, values)
