@@ -240,9 +240,14 @@ def test_the_gpu_check_writes_a_profile_the_emulated_executor_loads(tmp_path, mo
         "device": {"memory_bandwidth_gb_s": 4800, "peak_tflops": 989, "memory_gb": 141},
         "efficiency": {"memory": 0.7, "compute": 0.6, "launch_ms": 0.2}})
     steps = {batch: truth.decode_step_seconds(batch, 256) for batch in (1, 16, 64)}
-    rows = [{"model": "Llama-3.2-1B", "cuda_graphs": True, "batch": batch, "context": 256, "step_ms": 1000 * seconds}
-            for batch, seconds in steps.items()]
-    rows += [{"model": "SmolLM2-135M", "cuda_graphs": True, "batch": 1, "context": 256, "step_ms": 0.2}]
+    rows = [{"model": "Llama-3.2-1B", "cuda_graphs": True, "compile": False, "batch": batch, "context": 256,
+             "step_ms": 1000 * seconds} for batch, seconds in steps.items()]
+    rows += [{"model": "SmolLM2-135M", "cuda_graphs": True, "compile": False, "batch": 1, "context": 256,
+              "step_ms": 0.2}]
+    # The compiled setup's rows (and a setup that failed) are not the profile's: it is the default engine's.
+    rows += [{"model": "Llama-3.2-1B", "cuda_graphs": True, "compile": True, "batch": batch, "context": 256,
+              "step_ms": 500 * seconds} for batch, seconds in steps.items()]
+    rows += [{"model": "Llama-3.2-1B", "cuda_graphs": False, "compile": True, "error": "RuntimeError: no"}]
     written = gpu_check.measured_profile(rows, torch.device("cuda"), 4.8e12, "published", tmp_path)
     assert written == tmp_path / "measured-nvidia-h200-llama3.2-1b.json"
     profile = load_profile(str(written))
