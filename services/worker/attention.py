@@ -84,11 +84,26 @@ class WorkspaceGroup:
 class StaticDecode:
     """A decode-only step in fixed shapes (CUDA graphs): B padded rows of one token each, their
     block tables cut to a bucketed context, the mask computed on the device from their lengths.
-    Nothing here depends on the values, so a captured graph replays for any batch that fits."""
+    Nothing here depends on the values, so a captured graph replays for any batch that fits.
+    The flattened tables and the mask are made once per step (static_decode), not in every layer:
+    in a graph each is a kernel, and a step's time on a GPU is mostly its count of small kernels."""
 
-    block_tables: torch.Tensor  # [B, context // block_size] int64: each row's blocks (padding: block 0)
-    context_lengths: torch.Tensor  # [B] int64: tokens each row attends to (padding rows: 1)
-    max_context: int  # the bucket: block_tables' width x block_size
+    blocks: torch.Tensor  # [B * width] int64: each row's blocks in turn (padding: block 0)
+    # [B, 1, 1, context] in the model's dtype: 0 where a row may attend (its context; padding rows:
+    # position 0), -inf elsewhere (additive: a boolean mask is turned into this inside every call)
+    mask: torch.Tensor
+    max_context: int  # the bucket: the tables' width x block_size
+
+
+def static_decode(block_tables: torch.Tensor, context_lengths: torch.Tensor, block_size: int,
+                  dtype: torch.dtype) -> StaticDecode:
+    """block_tables [B, width] (a view of the graphs' buffers), context_lengths [B]: the step's
+    StaticDecode, computed on the device (captured into the graph with the layers)."""
+    rows, width = block_tables.shape
+    context = width * block_size
+    outside = torch.arange(context, device=block_tables.device).unsqueeze(0) >= context_lengths.unsqueeze(1)
+    mask = torch.zeros((rows, context), dtype=dtype, device=block_tables.device).masked_fill_(outside, float("-inf"))
+    return StaticDecode(block_tables.reshape(-1), mask.view(rows, 1, 1, context), context)
 
 
 @dataclass(frozen=True)
@@ -285,10 +300,10 @@ def _attend_static_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: t
     rows, n_heads, head_dim = q.shape
     n_kv_heads = key_pool.shape[1]
     context = static.max_context
-    blocks = static.block_tables.reshape(-1)
-    keys = gather_blocks(key_pool, blocks, block_size).view(rows, context, n_kv_heads, head_dim).transpose(1, 2)
-    values = gather_blocks(value_pool, blocks, block_size).view(rows, context, n_kv_heads, head_dim).transpose(1, 2)
-    mask = (torch.arange(context, device=q.device).unsqueeze(0) < static.context_lengths.unsqueeze(1))
+    keys = gather_blocks(key_pool, static.blocks, block_size).view(rows, context, n_kv_heads,
+                                                                   head_dim).transpose(1, 2)
+    values = gather_blocks(value_pool, static.blocks, block_size).view(rows, context, n_kv_heads,
+                                                                        head_dim).transpose(1, 2)
     queries = q.view(rows, n_kv_heads, n_heads // n_kv_heads, head_dim)  # grouped heads on the query axis
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.view(rows, 1, 1, context))
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=static.mask)
     return out.reshape(rows, n_heads * head_dim)

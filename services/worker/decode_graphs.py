@@ -18,7 +18,7 @@ import logging
 import numpy as np
 import torch
 
-from services.worker.attention import AttentionBatch, StaticDecode
+from services.worker.attention import AttentionBatch, static_decode
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
 
@@ -97,7 +97,8 @@ class DecodeGraphs:
 
     def _forward(self, padded: int, width: int) -> torch.Tensor:
         block_size = self.kv_cache.block_size
-        static = StaticDecode(self.block_tables[:padded, :width], self.context_lengths[:padded], width * block_size)
+        static = static_decode(self.block_tables[:padded, :width], self.context_lengths[:padded], block_size,
+                               self.model.dtype)
         batch = AttentionBatch("batched", padded, block_size, self.slot_mapping[:padded], (), (), None, static)
         return self.model.forward(self.token_ids[:padded], self.positions[:padded], batch, self.kv_cache,
                                   self.logit_rows[:padded])
