@@ -1,18 +1,21 @@
 """iterserve beside llama.cpp's llama-server on the same machine, prompts and load (issue: the hot path).
 
-Both servers run the same SmolLM2-135M GGUF (llama-server with its Q4_1 kernels, iterserve in
-float32). The load is ../shared/peers/load.py (closed loop, ~48-token prompts made unique per
-request so no prompt cache helps, 64 output tokens forced with ignore_eos, streaming), at
-concurrency 1, 4, 16 and 64, greedy and sampled (temperature 1.0, top_p 0.95); the two servers
-take turns at each mode so a slow spell of this shared machine hits both.
+Both servers run the same SmolLM2-135M GGUF (llama-server with its Q4_1 kernels, iterserve with
+its weights dequantized to float32, its default on a CPU, and to bfloat16, `--dtype bfloat16`:
+on a CPU with AVX512-BF16 its matmuls run about twice as fast). The load is
+../shared/peers/load.py (closed loop, ~48-token prompts made unique per request so no prompt cache
+helps, 64 output tokens forced with ignore_eos, streaming), at concurrency 1, 4, 16 and 64, greedy
+and sampled (temperature 1.0, top_p 0.95); the servers take turns at each mode so a slow spell of
+this shared machine hits them all.
 
     ../shared/peers/build-llama-server.sh                     # once, about 10 minutes
-    .venv/bin/python benchmarks/vs_llama_server.py            # about 15 minutes
+    .venv/bin/python benchmarks/vs_llama_server.py            # about 20 minutes
 
 Writes benchmarks/results/vs_llama_server.{md,json}.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -89,36 +92,47 @@ def main() -> None:
     parser.add_argument("--load-script", type=Path, default=PEERS / "load.py")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="iterserve's --dtype, one server each")
     args = parser.parse_args()
+    dtypes = args.dtypes.split(",")
     if not args.llama_server.exists():
         sys.exit(f"no llama-server at {args.llama_server}: build it with {PEERS / 'build-llama-server.sh'}")
     started = time.time()
     results: dict[str, list[dict]] = {}  # "server mode" -> load.py's row per concurrency level
     scratch = Path(tempfile.mkdtemp(prefix="vs-llama-"))
-    with ServerProcess(workers=1, threads=args.threads) as iterserve, LlamaServer(args.llama_server, args.threads, 64) as llama:
+    with contextlib.ExitStack() as stack:  # every server up at once; each takes its turn alone
+        servers = [(f"iterserve-{dtype}", stack.enter_context(
+            ServerProcess(workers=1, threads=args.threads, extra_args=("--dtype", dtype))).url, "smollm2-135m-instruct")
+            for dtype in dtypes]
+        llama = stack.enter_context(LlamaServer(args.llama_server, args.threads, 64))
+        servers.append(("llama-server", llama.url, "smollm2"))
         for offset, mode in enumerate(MODES):  # the servers take turns; fresh prompts every run
-            for name, url, model in (("iterserve", iterserve.url, "smollm2-135m-instruct"), ("llama-server", llama.url, "smollm2")):
+            for name, url, model in servers:
                 print(f"{name} {mode} ...", flush=True)
                 results[f"{name} {mode}"] = load(args.load_script, url, model, mode, 1000 * (offset + 1) + len(results),
                                                  scratch / f"{name}-{mode}.json")
     lines = [f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
-             "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up` (1 worker, float32).",
+             "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker).",
              "", "| server | mode | output tok/s at concurrency 1 / 4 / 16 / 64 | mean TTFT at 16 (s) |", "|---|---|---|---|"]
     for key, report in results.items():
         levels = {level["concurrency"]: level for level in report}
         tps = " / ".join(f"{levels[c]['tok_s']:.1f}" for c in (1, 4, 16, 64))
         lines.append(f"| {key.split()[0]} | {key.split()[1]} | {tps} | {levels[16]['ttft_mean_s']:.2f} |")
-    lines += ["", "| mode | iterserve / llama-server at 1 / 4 / 16 / 64 |", "|---|---|"]
-    for mode in MODES:
-        ours = {level["concurrency"]: level for level in results[f"iterserve {mode}"]}
-        theirs = {level["concurrency"]: level for level in results[f"llama-server {mode}"]}
-        lines.append(f"| {mode} | " + " / ".join(
-            f"{ours[c]['tok_s'] / theirs[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64)) + " |")
-    greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve {mode}"]} for mode in MODES)
-    lines += ["", "iterserve sampled / greedy at 1 / 4 / 16 / 64: " + " / ".join(
-        f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64))]
+    lines += ["", "| iterserve | mode | iterserve / llama-server at 1 / 4 / 16 / 64 |", "|---|---|---|"]
+    for dtype in dtypes:
+        for mode in MODES:
+            ours = {level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
+            theirs = {level["concurrency"]: level for level in results[f"llama-server {mode}"]}
+            lines.append(f"| {dtype} | {mode} | " + " / ".join(
+                f"{ours[c]['tok_s'] / theirs[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64)) + " |")
+    lines.append("")
+    for dtype in dtypes:
+        greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
+                           for mode in MODES)
+        lines.append(f"iterserve {dtype} sampled / greedy at 1 / 4 / 16 / 64: " + " / ".join(
+            f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64)))
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,36 @@ def test_first_step_logits_equal_transformers(real_engine, transformers_model, t
     torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
 
 
+@pytest.mark.slow
+def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transformers_model, tokenizer):
+    """`--dtype bfloat16` (its matmuls run about twice as fast on a CPU with AVX512-BF16): fed
+    transformers' own greedy tokens (float32), the engine picks the same next token at least 90% of
+    the time, and its first logits are within bfloat16's precision of float32's (0.15 x their RMS,
+    as benchmarks/gpu_check.py holds bfloat16 on a GPU to)."""
+    engine = Engine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="bfloat16"))
+    assert engine.model.dtype == torch.bfloat16
+    agree = total = 0
+    for index, messages in enumerate(CHAT_PROMPTS):
+        prompt = tokenizer.encode_chat(messages)
+        with torch.inference_mode():
+            expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            first_logits = transformers_model(torch.tensor([prompt])).logits[0, -1]
+        request_id = f"bf16-{index}"
+        engine.add_request(request_id, GREEDY)
+        step = engine.step([prefill_item(request_id, prompt)], return_logits=True)
+        difference = float((step.logits[request_id] - first_logits).abs().max())
+        assert difference <= 0.15 * float(first_logits.pow(2).mean().sqrt()), difference
+        picks = [step.tokens[request_id]]
+        for position, token in enumerate(expected[:-1]):  # teacher-forced: comparable after a first difference
+            picks.append(engine.step([decode_item(request_id, token, len(prompt) + position, position + 1)])
+                         .tokens[request_id])
+        engine.free(request_id)
+        agree += sum(ours == theirs for ours, theirs in zip(picks, expected))
+        total += len(expected)
+    assert agree / total >= 0.9, f"{agree} of {total} tokens as transformers' float32"
+
+
 # Selective batching: a mixed step equals each request run alone
 
 
