@@ -72,12 +72,16 @@ class WorkspaceGroup:
     positions: torch.Tensor  # [R]: where row r's new K/V goes in its row
     mask: torch.Tensor  # [R, 1, 1, max_context] bool
     max_context: int
-    # A decode-only step (every token of the step is a row here; the common step): the workspace
-    # row of step token t, None when that is t itself. Then no per-layer op reorders rows or
-    # scatters the output (the fewer ops a layer launches, the less a GPU step waits on the host).
-    every_token: bool = False
-    row_of_token: torch.Tensor | None = None  # [T]
+    # Set for a decode-only step (every token of the step is a row here; the common step): where
+    # step token t's K/V goes in its row, and its row (None when that is t itself). Then no
+    # per-layer op reorders rows or scatters the output (the fewer ops a layer launches, the less a
+    # GPU step waits on the host).
     position_of_token: torch.Tensor | None = None  # [T]
+    row_of_token: torch.Tensor | None = None  # [T]
+
+    @property
+    def every_token(self) -> bool:
+        return self.position_of_token is not None
 
 
 @dataclass(frozen=True)
@@ -168,21 +172,19 @@ def _workspace_group(layout: StepLayout, decodes: np.ndarray, layer_keys: list[t
     starts = layout.start_positions[members]
     max_context = int(starts.max()) + 1
     starts_tensor = _long(starts, device)
-    row_index = torch.arange(len(rows), device=device)
     every_token = len(rows) == num_tokens  # then decode i is step token i
     in_order = every_token and np.array_equal(rows_array, np.arange(len(rows)))
     return WorkspaceGroup(
         layer_keys=layer_keys, layer_values=layer_values,
         token_rows=_long(layout.query_starts[members], device),
-        row_index=row_index,
+        row_index=torch.arange(len(rows), device=device),
         positions=starts_tensor,
         mask=(torch.arange(max_context, device=device).unsqueeze(0) <= starts_tensor.unsqueeze(1))
         .view(len(rows), 1, 1, max_context),
         max_context=max_context,
-        every_token=every_token,
-        row_of_token=None if in_order or not every_token else _long(rows_array, device),
         position_of_token=(starts_tensor if in_order else _long(layout.start_positions[decodes], device))
         if every_token else None,
+        row_of_token=None if in_order or not every_token else _long(rows_array, device),
     )
 
 
