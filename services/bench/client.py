@@ -66,6 +66,11 @@ class RequestResult:
     def to_json(self) -> dict:
         record = asdict(self)
         del record["text"]
+        # Every time to the microsecond alike: rounding keeps their order (a chunk rounded alone
+        # could land after a finish read a fraction of a microsecond later).
+        for key in ("sent_at", "first_token_at", "finished_at"):
+            if record[key] is not None:
+                record[key] = round(record[key], 6)
         record["chunk_times"] = [round(t, 6) for t in self.chunk_times]
         return record
 
