@@ -19,7 +19,10 @@ Checks:
    this CPU against float32 differs by up to 1.8 (0.08 x RMS), 0.28 on average.
 3. Decode steps replayed from CUDA graphs equal the same steps run eagerly (float32: logits within
    1e-3; bfloat16: as in 2, since a padded batch runs other GEMM kernels), same tokens, over batch
-   sizes that need padding and contexts that cross a bucket.
+   sizes that need padding and contexts that cross a bucket. On CUDA the replays' attention is the
+   in-place paged kernel (services/worker/paged_attention.py): these checks are its test on the GPU,
+   the bfloat16 ones and, tighter, one in float32 (4).
+4. float32 graph replays (the in-place kernel) against float32 eager steps: logits within 1e-3.
 Benchmark: decode tok/s at batch 1, 16 and 64 (context ~256), eager, with CUDA graphs, and (on
 CUDA) with CUDA graphs over --compile's fused kernels, for SmolLM2-135M's and Llama-3.2-1B's shapes
 in bfloat16, beside the roofline: (weight bytes + KV bytes read per step) / memory bandwidth; on
@@ -108,13 +111,24 @@ def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype
 
 
 def make_engine(config: ModelConfig, device: torch.device, dtype: torch.dtype, weights: dict, kv_blocks: int,
-                graphs: bool = False, max_batch: int = 64, compile: bool = False) -> Engine:
+                graphs: bool = False, max_batch: int = 64, compile: bool = False, in_place: bool = True) -> Engine:
+    """in_place=False: fixed-shape decode steps gather the rows' blocks (as off CUDA) even where the
+    in-place paged kernel runs, to measure one against the other."""
     model = Llama(config, weights, device, dtype, compile=compile)
     kv_cache = PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, kv_blocks, BLOCK_SIZE, device, dtype,
                             max_rows=max_batch, max_blocks_per_row=-(-config.context_length // BLOCK_SIZE),
                             scratch_block=graphs)
     workspace = 65536 if device.type == "cpu" else 0
-    return Engine(model, kv_cache, "batched", workspace, max_batch, static_decode=graphs)
+    engine = Engine(model, kv_cache, "batched", workspace, max_batch, static_decode=graphs)
+    if engine.graphs is not None:
+        engine.graphs.in_place = engine.graphs.in_place and in_place
+    return engine
+
+
+def attention_of(engine: Engine) -> str:
+    if engine.graphs is None:
+        return "-"
+    return "in place" if engine.graphs.in_place else "gather"
 
 
 def prompts(count: int, length: int, vocab_size: int, seed: int = 1) -> list[list[int]]:
@@ -199,12 +213,21 @@ def checks(device: torch.device, quick: bool) -> list[dict]:
         eager_run = run_greedy(eager, batch_prompts, steps)
         graph_run = run_greedy(graphed, batch_prompts, steps)
         what = "CUDA graph replay" if device.type == "cuda" else "static decode (no capture: CPU)"
-        results.append(compare(f"{what} vs eager, batch {size}", eager_run, graph_run,
+        results.append(compare(f"{what} ({attention_of(graphed)}) vs eager, batch {size}", eager_run, graph_run,
                                **({"atol": 1e-3} if dtype == torch.float32 else {"of_rms": BF16_OF_RMS})))
     results.append({"check": "graphs captured", "passed": graphed.graphs.captured > 0 or device.type != "cuda",
-                    "captured": graphed.graphs.captured, "decode_steps_in_fixed_shapes": graphed.graphs.steps})
+                    "captured": graphed.graphs.captured, "decode_steps_in_fixed_shapes": graphed.graphs.steps,
+                    "attention": attention_of(graphed)})
     print(f"{'PASS' if results[-1]['passed'] else 'FAIL'} graphs: {graphed.graphs.captured} captured, "
-          f"{graphed.graphs.steps} decode steps in fixed shapes", flush=True)
+          f"{graphed.graphs.steps} decode steps in fixed shapes, attention {attention_of(graphed)}", flush=True)
+    if device.type == "cuda":  # the kernel in float32: rounding alone separates it from SDPA
+        del eager, graphed
+        eager = make_engine(config, device, torch.float32, weights, kv_blocks=512, max_batch=32)
+        graphed = make_engine(config, device, torch.float32, weights, kv_blocks=512, graphs=True, max_batch=32)
+        batch_prompts = prompts(13, 60, config.vocab_size, seed=13)
+        results.append(compare(f"float32 CUDA graph replay ({attention_of(graphed)}) vs eager, batch 13",
+                               run_greedy(eager, batch_prompts, steps), run_greedy(graphed, batch_prompts, steps),
+                               atol=1e-3))
     return results
 
 
@@ -280,16 +303,19 @@ def benchmark(device: torch.device, quick: bool) -> list[dict]:
     shapes = [("SmolLM2-135M", SMOLLM2)] + ([] if quick else [("Llama-3.2-1B", LLAMA_1B)])
     batches = (1, 4) if quick else (1, 16, 64)
     context, steps = (64, 4) if quick else (256, 32)
-    # (CUDA graphs, --compile): graphs replay the compiled kernels too (compiled during the warm-up)
-    setups = ((False, False), (True, False), (True, True)) if device.type == "cuda" else ((False, False),)
+    # (CUDA graphs, --compile, in-place attention): graphs replay the compiled kernels too (compiled
+    # during the warm-up); graphs without the in-place kernel gather each row's blocks per layer
+    setups = (((False, False, True), (True, False, False), (True, False, True), (True, True, True))
+              if device.type == "cuda" else ((False, False, True),))
     for name, config in shapes:
         weights = random_weights(config, device, dtype)
         kv_blocks = (max(batches) * (context + steps + 8)) // BLOCK_SIZE + max(batches) + 8
-        for graphs, compile in setups:
+        for graphs, compile, in_place in setups:
             engine = None
             try:
                 engine = make_engine(config, device, dtype, weights, kv_blocks=kv_blocks, graphs=graphs,
-                                     max_batch=max(batches), compile=compile)
+                                     max_batch=max(batches), compile=compile, in_place=in_place)
+                attention = attention_of(engine)
                 for batch in batches:
                     started = time.perf_counter()
                     seconds, device_figures = decode_seconds(engine, batch, context, steps)
@@ -297,26 +323,29 @@ def benchmark(device: torch.device, quick: bool) -> list[dict]:
                         torch.finfo(dtype).bits // 8)
                     roofline = batch * speed / (weight_bytes(config, dtype) + kv_read) if speed else None
                     row = {"model": name, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-                           "compile": compile, "batch": batch, "context": context, "step_ms": 1000 * seconds,
+                           "compile": compile, "attention": attention, "batch": batch, "context": context, "step_ms": 1000 * seconds,
                            "tok_per_s": batch / seconds, "roofline_tok_per_s": roofline, **device_figures,
                            "seconds_to_measure": round(time.perf_counter() - started, 1)}
                     rows.append(row)
-                    print(f"{name} graphs={graphs} compile={compile} batch={batch}: {1000 * seconds:.2f} ms/step, "
+                    print(f"{name} graphs={graphs} compile={compile} attention={attention} batch={batch}: "
+                          f"{1000 * seconds:.2f} ms/step, "
                           f"{batch / seconds:.0f} tok/s"
                           + (f" (roofline {roofline:.0f}, {batch / seconds / roofline:.0%})" if roofline else "")
                           + (f", GPU busy {device_figures['gpu_busy_ms']:.2f} ms in {device_figures['kernels']} "
                              f"kernels" if device_figures else ""), flush=True)
             except Exception as error:  # a setup that fails on this device is reported, the rest still run
-                print(f"FAIL {name} graphs={graphs} compile={compile}: {type(error).__name__}: {error}", flush=True)
-                rows.append({"model": name, "cuda_graphs": graphs, "compile": compile,
+                print(f"FAIL {name} graphs={graphs} compile={compile} in_place={in_place}: {type(error).__name__}: "
+                      f"{error}", flush=True)
+                rows.append({"model": name, "cuda_graphs": graphs, "compile": compile, "in_place": in_place,
                              "error": f"{type(error).__name__}: {error}"})
             del engine
         del weights
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\nBandwidth: {source}\n")
-    print("| model | CUDA graphs | compile | batch | ms/step | tok/s | roofline tok/s | of roofline | GPU busy ms | kernels |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | CUDA graphs | compile | attention | batch | ms/step | tok/s | roofline tok/s | of roofline | "
+          "GPU busy ms | kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
             continue
@@ -325,7 +354,8 @@ def benchmark(device: torch.device, quick: bool) -> list[dict]:
         roofline_text = f"{roofline:.0f}" if roofline else "-"
         busy = f"{row['gpu_busy_ms']:.2f}" if "gpu_busy_ms" in row else "-"
         print(f"| {row['model']} {row['dtype']} | {'yes' if row['cuda_graphs'] else 'no'} | "
-              f"{'yes' if row['compile'] else 'no'} | {row['batch']} | {row['step_ms']:.2f} | {row['tok_per_s']:.0f} | "
+              f"{'yes' if row['compile'] else 'no'} | {row.get('attention', '-')} | {row['batch']} | "
+              f"{row['step_ms']:.2f} | {row['tok_per_s']:.0f} | "
               f"{roofline_text} | {of_roofline} | {busy} | {row.get('kernels', '-')} |")
     return rows
 
@@ -336,7 +366,7 @@ def measured_profile(rows: list[dict], device: torch.device, speed: float, sourc
     if device.type != "cuda" or not speed:
         return None
     mine = [row for row in rows if row["model"] == "Llama-3.2-1B" and "error" not in row and not row["compile"]]
-    graphed = [row for row in mine if row["cuda_graphs"]] or mine
+    graphed = [row for row in mine if row["cuda_graphs"] and row.get("attention") != "gather"] or mine
     if not graphed:
         return None
     name = torch.cuda.get_device_name(device)

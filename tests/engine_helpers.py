@@ -1,9 +1,12 @@
 """Drive an Engine the way the scheduler does: prefill, then one decode step per token; and a
 tiny seeded random model for fast engine tests."""
 
+import random
+
 import torch
 
 from services.worker.attention import AttentionMode
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.engine import Engine
 from services.worker.model import Llama
 from shared.config import Settings
@@ -98,3 +101,38 @@ def tiny_engine(kv_blocks: int = 64, kv_block_size: int = 4, attention: Attentio
     settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size, max_batch_size=max_batch_size)
     kv_cache = Engine.kv_cache_for(config, settings, device, torch.float32, scratch_block=static_decode)
     return Engine(model, kv_cache, attention, decode_workspace_tokens, max_batch_size, static_decode=static_decode)
+
+
+def static_decode_steps_agree_with_the_per_request_path(steps: int = 40) -> DecodeGraphs:
+    """Decode-only steps in fixed shapes (what CUDA graphs replay): batches padded to the next
+    bucket, contexts cut to a bucket, padding rows writing to the scratch block. Every real row's
+    logits equal the per-request path's, over batch sizes and contexts that cross buckets, and no
+    padding row touches a request's KV. Returns the engine's DecodeGraphs (which attention ran)."""
+    reference = tiny_engine(kv_blocks=512, kv_block_size=4, attention="per_request")
+    static = tiny_engine(kv_blocks=512, kv_block_size=4, decode_workspace_tokens=0, static_decode=True)
+    rng = random.Random(11)
+    tokens: dict[str, list[int]] = {}
+    for index in range(13):
+        prompt = [rng.randrange(256) for _ in range(rng.choice((3, 30, 70)))]
+        for engine in (reference, static):
+            engine.add_request(f"r{index}", GREEDY)
+        first = reference.step([prefill_item(f"r{index}", prompt)]).tokens[f"r{index}"]
+        static.step([prefill_item(f"r{index}", prompt)])
+        tokens[f"r{index}"] = prompt + [first]
+    shapes = set()
+    for step_index in range(steps):
+        chosen = rng.sample(sorted(tokens), rng.choice((1, 3, 5, 9, 13)))  # 1, 3 -> 4, 5 -> 8, 9 -> 12, 13 -> 16
+        items = [decode_item(request_id, tokens[request_id][-1], len(tokens[request_id]) - 1, 1)
+                 for request_id in chosen]
+        expected = reference.step(items, return_logits=True)
+        actual = static.step(items, return_logits=True)
+        assert not expected.errors and not actual.errors
+        for request_id in chosen:
+            torch.testing.assert_close(actual.logits[request_id], expected.logits[request_id], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"step {step_index}, {request_id}: {m}")
+            tokens[request_id].append(expected.tokens[request_id])
+        shapes.add((len(chosen), max(len(tokens[request_id]) for request_id in chosen) > 64))
+    assert {size for size, _ in shapes} >= {1, 3, 5, 9, 13} and {long for _, long in shapes} == {False, True}, shapes
+    graphs = static.graphs
+    assert graphs is not None and graphs.steps == steps, "every decode-only step ran in fixed shapes"
+    return graphs

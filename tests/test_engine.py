@@ -11,7 +11,8 @@ from services.worker.kv_cache import KVCacheFull
 from shared.config import Settings
 from shared.messages import SamplingParams, StepItem
 from shared.tokenizer import Tokenizer
-from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_item, tiny_engine
+from tests.engine_helpers import (GREEDY, decode_item, generate_alone, prefill_item,
+                                  static_decode_steps_agree_with_the_per_request_path, tiny_engine)
 from tests.requirements import import_or_skip
 
 ATTENTION_PATHS = ["batched", "per_request"]
@@ -295,38 +296,11 @@ def test_decode_only_steps_with_workspace_rows_in_and_out_of_step_order_equal_th
 
 
 def test_static_decode_steps_padded_to_buckets_equal_the_per_request_path():
-    """Decode-only steps in fixed shapes (what CUDA graphs replay): batches padded to the next
-    bucket, contexts cut to a bucket, padding rows writing to the scratch block. Every real row's
-    logits equal the per-request path's, over batch sizes and contexts that cross buckets, and no
-    padding row touches a request's KV."""
-    reference = tiny_engine(kv_blocks=512, kv_block_size=4, attention="per_request")
-    static = tiny_engine(kv_blocks=512, kv_block_size=4, decode_workspace_tokens=0, static_decode=True)
-    rng = random.Random(11)
-    tokens: dict[str, list[int]] = {}
-    for index in range(13):
-        prompt = [rng.randrange(256) for _ in range(rng.choice((3, 30, 70)))]
-        for engine in (reference, static):
-            engine.add_request(f"r{index}", GREEDY)
-        first = reference.step([prefill_item(f"r{index}", prompt)]).tokens[f"r{index}"]
-        static.step([prefill_item(f"r{index}", prompt)])
-        tokens[f"r{index}"] = prompt + [first]
-    graphs = static.graphs
-    shapes = set()
-    for step_index in range(40):
-        chosen = rng.sample(sorted(tokens), rng.choice((1, 3, 5, 9, 13)))  # 1, 3 -> 4, 5 -> 8, 9 -> 12, 13 -> 16
-        items = [decode_item(request_id, tokens[request_id][-1], len(tokens[request_id]) - 1, 1)
-                 for request_id in chosen]
-        expected = reference.step(items, return_logits=True)
-        actual = static.step(items, return_logits=True)
-        assert not expected.errors and not actual.errors
-        for request_id in chosen:
-            torch.testing.assert_close(actual.logits[request_id], expected.logits[request_id], atol=1e-4, rtol=1e-4,
-                                       msg=lambda m: f"step {step_index}, {request_id}: {m}")
-            tokens[request_id].append(expected.tokens[request_id])
-        shapes.add((len(chosen), max(len(tokens[request_id]) for request_id in chosen) > 64))
-    assert {size for size, _ in shapes} >= {1, 3, 5, 9, 13} and {long for _, long in shapes} == {False, True}, shapes
-    assert graphs is not None and graphs.batch_buckets[:5] == (1, 2, 4, 8, 12)
-    assert graphs.steps == 40, "every decode-only step ran in fixed shapes"
+    """Decode-only steps in fixed shapes (what CUDA graphs replay), gathering each row's blocks (the
+    path off CUDA; tests/test_paged_attention.py runs the same check through the in-place kernel)."""
+    graphs = static_decode_steps_agree_with_the_per_request_path()
+    assert not graphs.in_place
+    assert graphs.batch_buckets[:5] == (1, 2, 4, 8, 12)
 
 
 @pytest.mark.slow  # compiling takes about 30 s on 2 cores

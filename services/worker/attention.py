@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.kv_cache import PagedKVCache
+from services.worker.paged_attention import paged_decode
 
 AttentionMode = Literal["batched", "per_request"]
 
@@ -87,27 +88,35 @@ class WorkspaceGroup:
 @dataclass(frozen=True)
 class StaticDecode:
     """A decode-only step in fixed shapes (CUDA graphs): B padded rows of one token each, their
-    block tables cut to a bucketed context, the mask computed on the device from their lengths.
-    Nothing here depends on the values, so a captured graph replays for any batch that fits.
-    The flattened tables and the mask are made once per step (static_decode), not in every layer:
-    in a graph each is a kernel, and a step's time on a GPU is mostly its count of small kernels."""
+    block tables cut to a bucketed context. Nothing here depends on the values, so a captured graph
+    replays for any batch that fits. Two ways to attend, chosen once per engine (DecodeGraphs):
+    - in place (CUDA, services/worker/paged_attention.py): a kernel walks each row's block table in
+      the pool; only block_tables and context_lengths are set.
+    - gathering (elsewhere): each layer gathers the rows' blocks into a step buffer and runs SDPA
+      under an additive mask; blocks (the flattened tables) and mask are made once per step
+      (static_decode), not in every layer: in a graph each is a kernel, and a step's time on a GPU
+      is mostly its count of small kernels."""
 
-    blocks: torch.Tensor  # [B * width] int64: each row's blocks in turn (padding: block 0)
+    max_context: int  # the bucket: the tables' width x block_size
+    blocks: torch.Tensor | None = None  # [B * width] int64: each row's blocks in turn (padding: block 0)
     # [B, 1, 1, context] in the model's dtype: 0 where a row may attend (its context; padding rows:
     # position 0), -inf elsewhere (additive: a boolean mask is turned into this inside every call)
-    mask: torch.Tensor
-    max_context: int  # the bucket: the tables' width x block_size
+    mask: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None  # [B, width] (in place)
+    context_lengths: torch.Tensor | None = None  # [B]: tokens each row attends to (in place)
 
 
 def static_decode(block_tables: torch.Tensor, context_lengths: torch.Tensor, block_size: int,
-                  dtype: torch.dtype) -> StaticDecode:
+                  dtype: torch.dtype, in_place: bool = False) -> StaticDecode:
     """block_tables [B, width] (a view of the graphs' buffers), context_lengths [B]: the step's
     StaticDecode, computed on the device (captured into the graph with the layers)."""
     rows, width = block_tables.shape
     context = width * block_size
+    if in_place:
+        return StaticDecode(context, block_tables=block_tables, context_lengths=context_lengths)
     outside = torch.arange(context, device=block_tables.device).unsqueeze(0) >= context_lengths.unsqueeze(1)
     mask = torch.zeros((rows, context), dtype=dtype, device=block_tables.device).masked_fill_(outside, float("-inf"))
-    return StaticDecode(block_tables.reshape(-1), mask.view(rows, 1, 1, context), context)
+    return StaticDecode(context, block_tables.reshape(-1), mask.view(rows, 1, 1, context))
 
 
 @dataclass(frozen=True)
@@ -297,8 +306,11 @@ def _attend_workspace_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ws
 
 def _attend_static_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, static: StaticDecode,
                           block_size: int) -> torch.Tensor:
-    """One query per row against its blocks, gathered from the pool into a step-local buffer (the
-    pool stays the only copy of the KV: no workspace kept across steps), in fixed shapes."""
+    """One query per row against its blocks, in fixed shapes: read in place by the paged kernel, or
+    gathered from the pool into a step-local buffer (either way the pool stays the only copy of the
+    KV: no workspace kept across steps)."""
+    if static.block_tables is not None:
+        return paged_decode(q, key_pool, value_pool, static.block_tables, static.context_lengths, block_size)
     rows, n_heads, head_dim = q.shape
     n_kv_heads = key_pool.shape[1]
     context = static.max_context

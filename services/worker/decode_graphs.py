@@ -6,11 +6,14 @@ shape anywhere): on CUDA the first step of a (batch, context) bucket pair is cap
 into static input buffers, and every later one copies its inputs in and replays it, so a decode
 step costs one graph launch instead of thousands of kernel launches. Padding rows feed token 0 at
 position 0, attend to one token of block 0, and write their K/V to a scratch slot that no request
-owns. Sampling stays outside the graph (its stages depend on the values).
+owns. Sampling stays outside the graph (its stages depend on the values). Attention reads the paged
+KV in place where the Triton kernel runs (CUDA: services/worker/paged_attention.py); elsewhere each
+layer gathers the rows' blocks into a step buffer first.
 
 On the CPU nothing is captured: the same padded, static-shape step runs eagerly from the same
-buffers. That is how the bucketing and padding are tested here; only the capture itself needs a
-GPU (benchmarks/gpu_check.py checks that replays equal eager steps).
+buffers. That is how the bucketing and padding are tested here (and the in-place kernel, in Triton's
+interpreter); only the capture itself needs a GPU (benchmarks/gpu_check.py checks that replays
+equal eager steps).
 """
 
 import logging
@@ -21,6 +24,7 @@ import torch
 from services.worker.attention import AttentionBatch, static_decode
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
+from services.worker.paged_attention import usable
 
 log = logging.getLogger("iterserve.worker")
 
@@ -37,6 +41,7 @@ class DecodeGraphs:
         if kv_cache.scratch_slot is None:
             raise ValueError("decode graphs need a KV cache with a scratch block for padding rows")
         self.model, self.kv_cache, self.capture = model, kv_cache, capture
+        self.in_place = usable(model.device)  # attention reads the pool's blocks where they are
         self.batch_buckets = tuple(size for size in BATCH_BUCKETS if size < max_batch) + (max_batch,)
         context, contexts = MIN_CONTEXT_BUCKET, []
         while context < model.config.context_length:
@@ -98,7 +103,7 @@ class DecodeGraphs:
     def _forward(self, padded: int, width: int) -> torch.Tensor:
         block_size = self.kv_cache.block_size
         static = static_decode(self.block_tables[:padded, :width], self.context_lengths[:padded], block_size,
-                               self.model.dtype)
+                               self.model.dtype, self.in_place)
         batch = AttentionBatch("batched", padded, block_size, self.slot_mapping[:padded], (), (), None, static)
         return self.model.forward(self.token_ids[:padded], self.positions[:padded], batch, self.kv_cache,
                                   self.logit_rows[:padded])
@@ -114,6 +119,6 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(padded, width)
-        log.info("event=decode_graph_captured batch=%d context=%d graphs=%d", padded,
-                 width * self.kv_cache.block_size, len(self._graphs) + 1)
+        log.info("event=decode_graph_captured batch=%d context=%d graphs=%d attention=%s", padded,
+                 width * self.kv_cache.block_size, len(self._graphs) + 1, "in_place" if self.in_place else "gather")
         return graph, logits
