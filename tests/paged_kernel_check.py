@@ -79,7 +79,8 @@ def check_kernel() -> None:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (tests/test_paged_attention.py does)")
-    assert usable(torch.device("cpu")), "Triton's interpreter is not usable here"
+    for dtype in (torch.float32, torch.bfloat16):  # the engine's own check before it takes the kernel
+        assert usable(torch.device("cpu"), dtype, 4, 2, 16, 4), f"the kernel's self-check failed in {dtype}"
     check_kernel()
     graphs = static_decode_steps_agree_with_the_per_request_path(steps=12)
     assert graphs.in_place, "the engine's fixed-shape decode steps did not take the in-place kernel"

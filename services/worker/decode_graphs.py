@@ -41,7 +41,9 @@ class DecodeGraphs:
         if kv_cache.scratch_slot is None:
             raise ValueError("decode graphs need a KV cache with a scratch block for padding rows")
         self.model, self.kv_cache, self.capture = model, kv_cache, capture
-        self.in_place = usable(model.device)  # attention reads the pool's blocks where they are
+        config = model.config  # attention reads the pool's blocks where they are (the kernel checked first)
+        self.in_place = usable(model.device, model.dtype, config.n_heads, config.n_kv_heads, config.head_dim,
+                               kv_cache.block_size)
         self.batch_buckets = tuple(size for size in BATCH_BUCKETS if size < max_batch) + (max_batch,)
         context, contexts = MIN_CONTEXT_BUCKET, []
         while context < model.config.context_length:

@@ -15,7 +15,8 @@ bucket, as one graph per bucket) and skips the blocks past a row's length.
 
 Tested without a GPU in Triton's interpreter (TRITON_INTERPRET=1: numpy executes the kernel),
 which is also why `usable` accepts the CPU then; on CUDA benchmarks/gpu_check.py checks graph
-replays, which run this kernel, against eager steps.
+replays, which run this kernel, against eager steps, and the engine runs `self_check` before it
+takes the kernel (a wrong or failing kernel leaves the gathering path in use).
 """
 
 import functools
@@ -77,17 +78,57 @@ def _kernel():
     return triton, paged_decode_kernel
 
 
-def usable(device: torch.device) -> bool:
-    """Whether decode steps on this device can read the pool in place: CUDA with Triton (which
-    CUDA builds of torch bring), or Triton's interpreter (a test on the CPU)."""
+def usable(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int,
+           block_size: int) -> bool:
+    """Whether decode steps of this model on this device can read the pool in place: CUDA with Triton
+    (which CUDA builds of torch bring), or Triton's interpreter (a test on the CPU), and the kernel,
+    compiled for this shape, passes a self-check against plain attention on the device. A kernel that
+    fails to build or to agree is logged and not used (the gathering path is): a GPU it was never
+    run on cannot make the engine crash or answer wrong."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
-        _kernel()
-    except Exception as error:  # no Triton, or one this torch cannot use: the gathering path
-        log.warning("event=paged_decode_kernel_unavailable device=%s error=%r", device, error)
+        error = self_check(device, dtype, n_heads, n_kv_heads, head_dim, block_size)
+    except Exception as failure:  # no Triton, one this torch cannot use, or a kernel that does not compile
+        log.warning("event=paged_decode_kernel_unavailable device=%s error=%r", device, failure)
         return False
+    tolerance = SELF_CHECK_TOLERANCE.get(dtype, SELF_CHECK_TOLERANCE[torch.bfloat16])
+    if not error <= tolerance:  # (NaN fails too)
+        log.error("event=paged_decode_kernel_self_check_failed device=%s dtype=%s relative_error=%.2e tolerance=%.0e",
+                  device, dtype, error, tolerance)
+        return False
+    log.info("event=paged_decode_kernel device=%s dtype=%s relative_error=%.1e", device, dtype, error)
     return True
+
+
+# The kernel accumulates in float32: against float32 math it differs by rounding; in a 16-bit dtype
+# by at most one step of the output (2^-7 of it in bfloat16).
+SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def self_check(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int,
+               block_size: int) -> float:
+    """The kernel on random data of the model's head shape against softmax attention in float32 over
+    the same blocks gathered: the largest error relative to the output (at least 1)."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width, pool_blocks = 3, 3, 12
+    shape = (pool_blocks * block_size, n_kv_heads, head_dim)
+    key_pool, value_pool = (torch.randn(shape, generator=generator).to(device, dtype) for _ in range(2))
+    q = torch.randn(rows, n_heads, head_dim, generator=generator).to(device, dtype)
+    tables = torch.randperm(pool_blocks, generator=generator)[: rows * width].view(rows, width).to(device)
+    lengths = torch.tensor([1, width * block_size, block_size + 1], device=device)
+    out = paged_decode(q, key_pool, value_pool, tables, lengths, block_size).float()
+    group = n_heads // n_kv_heads
+    worst = 0.0
+    for row in range(rows):
+        slots = (tables[row].unsqueeze(1) * block_size + torch.arange(block_size, device=device)).reshape(-1)
+        slots = slots[: int(lengths[row])]
+        keys = key_pool[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, C, D]
+        values = value_pool[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q[row].float().unsqueeze(1) @ keys.transpose(1, 2)) * head_dim ** -0.5  # [Hq, 1, C]
+        expected = (scores.softmax(dim=-1) @ values).reshape(-1)
+        worst = max(worst, ((out[row] - expected).abs() / expected.abs().clamp(min=1.0)).max().item())
+    return worst
 
 
 def _power_of_two(value: int) -> int:
