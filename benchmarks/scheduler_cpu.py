@@ -41,7 +41,7 @@ from services.launcher import free_port, wait_for_redis  # noqa: E402
 from services.scheduler.held_results import ResultHolding  # noqa: E402
 from services.scheduler.output import RequestOutputs  # noqa: E402
 from services.scheduler.policy import SchedulerPolicy  # noqa: E402
-from services.scheduler.redis_link import TOKEN_ENTRY, RedisLink, Write  # noqa: E402
+from services.scheduler.redis_link import RedisLink  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
@@ -168,6 +168,7 @@ class Harness:
         _, _, arguments = self.link.commands(block_ms=50)
         encoded(arguments)
         self.link.writes.clear()
+        self.link.tokens.drop(len(self.link.tokens))
         self.seconds["pack"] += time.process_time() - started
 
 
@@ -180,8 +181,8 @@ async def time_round_trips(url: str, count: int, batch: int) -> dict[str, float]
     seconds = {"link": 0.0, "redis-py pipeline": 0.0}
     for index in range(count):
         link.queue("xadd", keys.plan_stream("w0"), {"m": b"p" * 450}, maxlen=1000, approximate=True)
-        link.writes.extend(Write(TOKEN_ENTRY, (keys.token_stream(f"{row:032x}"), f"0-{index + 1}", payload), {},
-                                 f"{row:032x}") for row in range(batch))
+        for row in range(batch):
+            link.queue_token(f"{row:032x}", keys.token_stream(f"{row:032x}"), f"0-{index + 1}", payload)
         link.queue("xadd", link.keys.iterations, {"m": b"i" * 2400}, maxlen=1000, approximate=False)
         link.queue("set", link.keys.scheduler_heartbeat, b"h" * 300, px=5000)
         link.read_ids = dict.fromkeys(link.read_ids, "0-0")
@@ -196,6 +197,7 @@ async def time_round_trips(url: str, count: int, batch: int) -> dict[str, float]
                 pipe.execute_command(*command_arguments)
             entries = (await pipe.execute(raise_on_error=False))[-1]
             del link.writes[: len(writes)]
+            link.tokens.drop(len(link.tokens))
             seconds["redis-py pipeline"] += time.process_time() - started
         if not entries:
             raise RuntimeError("the round trip read nothing back")

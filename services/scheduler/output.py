@@ -35,6 +35,7 @@ class OutputText:
     """A request's output text as streamed so far."""
 
     detokenizer: IncrementalDetokenizer
+    stream_key: str  # its token stream's key
     emitted: int = 0  # characters of detokenizer.text already sent in TokenEvents
     checked: int = 0  # characters already searched for stop strings
 
@@ -73,7 +74,8 @@ class RequestOutputs:
 
     def start(self, record: RequestRecord, output_token_ids: list[int], emitted_text: int) -> str:
         """A request's output so far (loaded from Redis, or empty); returns its text."""
-        output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids))
+        output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids),
+                            keys.token_stream(record.request_id))
         for token_id in output_token_ids:
             output.detokenizer.push(token_id)
         output.emitted = emitted_text
@@ -99,7 +101,12 @@ class RequestOutputs:
         if finish is None and not stop and output.emitted == detokenizer.length - len(piece):
             # The common case, every step of most requests: nothing held back, nothing ends here.
             output.emitted = detokenizer.length
-            self.token_event(request_id, outcome.output_index, outcome.token_id, piece, logprob=outcome.logprob,
+            index = outcome.output_index
+            if outcome.logprob is None and not self.holding.enabled:  # straight to the columns
+                self.link.queue_token(request_id, output.stream_key, f"0-{index + 1}",
+                                      encode_token_event(index, outcome.token_id, piece))
+                return
+            self.token_event(request_id, index, outcome.token_id, piece, logprob=outcome.logprob,
                              top_logprobs=outcome.top_logprobs)
             return
         text = detokenizer.text
@@ -159,8 +166,9 @@ class RequestOutputs:
 
     def token_event(self, request_id: str, index: int, token_id: int, text: str, **rest: Any) -> None:
         """One entry of the request's token stream (batched with the round trip's others: one EVAL)."""
-        self._write(request_id, TOKEN_ENTRY, keys.token_stream(request_id), token_entry_id(index),
-                    encode_token_event(index, token_id, text, **rest))
+        args = (keys.token_stream(request_id), token_entry_id(index), encode_token_event(index, token_id, text, **rest))
+        if not self.holding.keep(Write(TOKEN_ENTRY, args, {}, request_id)):
+            self.link.queue_token(request_id, *args)
 
     def write_end(self, request_id: str, reason: FinishReason, completion_tokens: int) -> None:
         ttl = self.request_ttl_seconds

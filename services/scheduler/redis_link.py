@@ -7,7 +7,10 @@ read-only replica, failing persistence: EXECABORT), so a refused round trip is s
 with backoff, and no write is skipped or reordered (a token stream never has a gap). A write that
 fails inside the transaction fails for its key (a key of the wrong type): the link hands it to
 `on_write_failed`. Every token entry of a round trip goes in one EVAL (TOKENS_SCRIPT): one
-command instead of one per token, which is most of what a round trip used to cost.
+command instead of one per token, which is most of what a round trip used to cost. The entries
+wait in columns (TokenColumns: stream keys, entry ids, payloads), not as a Write each: a token
+entry is the one write made for every request at every step, and the columns go to Redis as one
+msgpack array of three lists, with no object or tuple built per token.
 
 The round trip is the scheduler's busiest Redis call: redis-py's command methods build every
 command's arguments, and they go out as one Exchange (shared/redis_exchange.py: one write on a
@@ -35,16 +38,16 @@ READ_COUNT = 512  # entries per stream per XREAD
 REDIS_SLACK_SECONDS = 10.0  # a Redis call may take this much longer than its own block time
 TRIM_EVERY_ENTRIES = 256  # trim the input streams after this many entries read (or on the heartbeat)
 
-# XADD, server side, for each (key, id, payload) of a msgpack array; an entry written before (a
-# round trip sent again) is skipped; the reply lists (position, error) of the entries that failed
+# XADD, server side, for each entry of msgpack columns [keys, ids, payloads]; an entry written before
+# (a round trip sent again) is skipped; the reply lists (position, error) of the entries that failed
 # otherwise. EVAL with the script's text, not EVALSHA: a restarted Redis has no script cache, and an
 # EVALSHA inside the round trip's MULTI would fail. (Standalone Redis: the keys are not declared.)
 TOKENS_SCRIPT = """
-local entries = cmsgpack.unpack(ARGV[1])
+local columns = cmsgpack.unpack(ARGV[1])
+local stream_keys, entry_ids, payloads = columns[1], columns[2], columns[3]
 local failed = {}
-for i = 1, #entries do
-  local entry = entries[i]
-  local reply = redis.pcall('XADD', entry[1], entry[2], 'm', entry[3])
+for i = 1, #stream_keys do
+  local reply = redis.pcall('XADD', stream_keys[i], entry_ids[i], 'm', payloads[i])
   if type(reply) == 'table' and reply.err and not string.find(reply.err, 'equal or smaller', 1, true) then
     failed[#failed + 1] = i - 1
     failed[#failed + 1] = reply.err
@@ -53,6 +56,7 @@ end
 return failed
 """
 TOKEN_ENTRY = "token"  # a Write's command for a token stream entry: args (stream key, entry id, payload)
+TOKENS_MARK = None  # a Write's args holding this: where the round trip's token entries go among the writes
 REFUSED_WRITES = (ExecAbortError, OutOfMemoryError, ReadOnlyError)
 REFUSAL_PREFIXES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "EXECABORT")
 
@@ -74,6 +78,37 @@ class Write(NamedTuple):
     args: tuple
     kwargs: dict
     request_id: str | None = None  # the request whose keys it writes (None: a shared key)
+
+
+class TokenColumns:
+    """Token entries waiting for a round trip, as columns (one append to each per entry)."""
+
+    __slots__ = ("request_ids", "stream_keys", "entry_ids", "payloads")
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.stream_keys: list[str] = []
+        self.entry_ids: list[str] = []
+        self.payloads: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.entry_ids)
+
+    def packed(self, count: int) -> bytes:
+        """The first `count` entries as TOKENS_SCRIPT's argument. (use_bin_type=False: Redis's Lua
+        cmsgpack reads only the raw string type.)"""
+        return msgpack.packb([self.stream_keys[:count], self.entry_ids[:count], self.payloads[:count]],
+                             use_bin_type=False)
+
+    def write(self, position: int) -> "Write":
+        """Entry `position` as a Write (for on_write_failed)."""
+        return Write(TOKEN_ENTRY, (self.stream_keys[position], self.entry_ids[position], self.payloads[position]), {},
+                     self.request_ids[position])
+
+    def drop(self, count: int) -> None:
+        """The first `count` entries are written."""
+        for column in (self.request_ids, self.stream_keys, self.entry_ids, self.payloads):
+            del column[:count]
 
 
 def refused_up_front(error: Exception) -> bool:
@@ -103,6 +138,8 @@ class RedisLink:
         self.keys = model_keys  # the pool of the model this scheduler serves
         self.input_streams = (model_keys.new_requests, model_keys.cancels, model_keys.results)
         self.writes: list[Write] = []  # commands for the next round trip
+        self.tokens = TokenColumns()  # its token entries (one EVAL, where the first TOKENS_MARK stands in writes)
+        self._tokens_marked = False  # writes holds a mark after the last round trip's snapshot
         self.read_ids = {stream: "0-0" for stream in self.input_streams}  # where each input stream was read up to
         self._trimmed_ids = dict(self.read_ids)
         self._read_since_trim = 0
@@ -110,6 +147,25 @@ class RedisLink:
 
     def queue(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.writes.append(Write(command, args, kwargs))
+
+    def queue_token(self, request_id: str, stream_key: str, entry_id: str, payload: bytes) -> None:
+        """A token stream entry for the next round trip (written before every write queued after it)."""
+        if not self._tokens_marked:
+            self.writes.append(Write(TOKEN_ENTRY, TOKENS_MARK, {}))
+            self._tokens_marked = True
+        tokens = self.tokens
+        tokens.request_ids.append(request_id)
+        tokens.stream_keys.append(stream_key)
+        tokens.entry_ids.append(entry_id)
+        tokens.payloads.append(payload)
+
+    def extend(self, writes: list[Write]) -> None:
+        """Writes made earlier (held), in order: their token entries go to the columns."""
+        for write in writes:
+            if write.command == TOKEN_ENTRY:
+                self.queue_token(write.request_id, *write.args)
+            else:
+                self.writes.append(write)
 
     def queue_first(self, write: Write) -> None:
         self.writes.insert(0, write)
@@ -131,26 +187,27 @@ class RedisLink:
         self._read_since_trim = 0
 
     def commands(self, block_ms: int | None, read: bool = True) -> tuple[list[Write], list, list[tuple]]:
-        """The next round trip: the writes it sends, its commands (a Write, or the list of token
-        entries that one EVAL writes) and every command's arguments, MULTI to EXEC, then XREAD."""
+        """The next round trip: the writes it sends, its commands (a Write, or the count of token
+        entries that one EVAL writes, at the first mark) and every command's arguments, MULTI to
+        EXEC, then XREAD. (A mark after the first, left by a round trip that failed, adds nothing.)"""
         writes = list(self.writes)
-        commands: list[Write | list[Write]] = []
-        tokens: list[Write] | None = None
+        token_count = len(self.tokens)
+        self._tokens_marked = False  # a token queued from now on is the next round trip's: it marks anew
+        commands: list[Write | int] = []
+        marked = False
         for write in writes:
             if write.command != TOKEN_ENTRY:
                 commands.append(write)
-            elif tokens is None:
-                tokens = [write]
-                commands.append(tokens)
-            else:
-                tokens.append(write)
+            elif not marked:
+                marked = True
+                if token_count:
+                    commands.append(token_count)
         pipe = self.redis.pipeline(transaction=False)  # only builds the commands' arguments: never sent
         if commands:
             pipe.execute_command("MULTI")
             for command in commands:
-                if isinstance(command, list):
-                    # use_bin_type=False: Redis's Lua cmsgpack reads only the raw string type
-                    pipe.eval(TOKENS_SCRIPT, 0, msgpack.packb([write.args for write in command], use_bin_type=False))
+                if isinstance(command, int):
+                    pipe.eval(TOKENS_SCRIPT, 0, self.tokens.packed(command))
                 else:
                     getattr(pipe, command.command)(*command.args, **command.kwargs)
             pipe.execute_command("EXEC")
@@ -175,11 +232,14 @@ class RedisLink:
                 raise RedisWritesRefused(f"{len(writes)} writes refused: {first}")
             del self.writes[: len(writes)]
             for command, outcome in zip(commands, outcomes, strict=True):
-                if isinstance(command, list):
+                if isinstance(command, int):
                     if isinstance(outcome, Exception):  # the script itself failed: no entry is known written
-                        raise SchedulerStateError(f"writing {len(command)} token entries failed: {outcome}")
-                    for position, message in zip(outcome[::2], outcome[1::2]):
-                        self.on_write_failed(command[position], ResponseError(text_of(message)))
+                        raise SchedulerStateError(f"writing {command} token entries failed: {outcome}")
+                    failed = [(self.tokens.write(position), message)
+                              for position, message in zip(outcome[::2], outcome[1::2])]
+                    self.tokens.drop(command)
+                    for write, message in failed:
+                        self.on_write_failed(write, ResponseError(text_of(message)))
                 elif isinstance(outcome, Exception):
                     self.on_write_failed(command, outcome)
         if not read:

@@ -180,7 +180,7 @@ class SchedulerService:
         workers can take now: with pipelining, up to pipeline_depth each (a worker group of
         several pipeline stages: one per stage)."""
         started = time.process_time()
-        self.link.writes.extend(self.holding.release_finished_batches(self.policy))
+        self.link.extend(self.holding.release_finished_batches(self.policy))
         self.phase_cpu["fanout"] += time.process_time() - started
         for _ in range(self.policy.max_depth):
             if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):
@@ -241,7 +241,7 @@ class SchedulerService:
             self._apply_result(result)
 
     def _cancel(self, request_id: str) -> None:
-        self.link.writes.extend(self.holding.release(request_id))
+        self.link.extend(self.holding.release(request_id))
         state = self.policy.cancel(request_id)
         if state is None:
             return  # ended already, or not loaded yet: loading it reads its cancel flag
