@@ -151,8 +151,7 @@ class Harness:
                 outcomes = self.policy.on_result(result)
                 applied = clock()
                 self.seconds["apply"] += applied - decoded
-                for outcome in outcomes:
-                    self.outputs.publish_token(outcome)
+                self.outputs.publish_tokens(outcomes, worker_id)
                 self.outputs.publish_finished_without_token()
                 for record in self.policy.take_iteration_records():
                     self.batch_sum += len(record.request_ids)

@@ -88,25 +88,42 @@ class RequestOutputs:
             self._marked_running.add(request_id)
             self.link.queue("hset", keys.request_key(request_id), "status", "running")
 
-    def publish_token(self, outcome: TokenOutcome) -> None:
+    def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str) -> None:
+        """A result's tokens, in order: each one's text and token entry (and its request's end). The
+        common case (nothing held back, nothing ends, no log-probabilities: every step of most
+        requests) is inline here, the rest in _publish; one call per result, not per token."""
+        holding = self.holding
+        if holding.enabled:  # the request-level baseline: its writes wait for its batch
+            for outcome in outcomes:
+                holding.hold(outcome.request.request_id, worker_id)
+        outputs, queue_token, plain = self._outputs, self.link.queue_token, not holding.enabled
+        for outcome in outcomes:
+            state = outcome.request
+            request_id = state.request_id
+            output = outputs[request_id]
+            detokenizer = output.detokenizer
+            piece = detokenizer.push(outcome.token_id)
+            if (plain and outcome.finish_reason is None and outcome.logprob is None and not state.sampling.stop
+                    and output.emitted == detokenizer.length - len(piece)):
+                output.emitted = detokenizer.length
+                index = outcome.output_index
+                queue_token(request_id, output.stream_key, f"0-{index + 1}",
+                            encode_token_event(index, outcome.token_id, piece))
+            else:
+                self._publish(outcome, output, piece)
+
+    def _publish(self, outcome: TokenOutcome, output: OutputText, piece: str) -> None:
+        """A token whose text was pushed (`piece`): stop strings, held-back text, its request's end."""
         state = outcome.request
         request_id = state.request_id
-        output = self._outputs[request_id]
         finish = outcome.finish_reason
         detokenizer = output.detokenizer
-        piece = detokenizer.push(outcome.token_id)
         if finish is not None:
             piece += detokenizer.flush()
         stop = state.sampling.stop
         if finish is None and not stop and output.emitted == detokenizer.length - len(piece):
-            # The common case, every step of most requests: nothing held back, nothing ends here.
-            output.emitted = detokenizer.length
-            index = outcome.output_index
-            if outcome.logprob is None and not self.holding.enabled:  # straight to the columns
-                self.link.queue_token(request_id, output.stream_key, f"0-{index + 1}",
-                                      encode_token_event(index, outcome.token_id, piece))
-                return
-            self.token_event(request_id, index, outcome.token_id, piece, logprob=outcome.logprob,
+            output.emitted = detokenizer.length  # nothing held back: only its log-probabilities to add
+            self.token_event(request_id, outcome.output_index, outcome.token_id, piece, logprob=outcome.logprob,
                              top_logprobs=outcome.top_logprobs)
             return
         text = detokenizer.text

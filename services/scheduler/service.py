@@ -252,9 +252,7 @@ class SchedulerService:
         outcomes = self.policy.on_result(result)
         applied = time.process_time()
         self.phase_cpu["apply"] += applied - started
-        for outcome in outcomes:
-            self.holding.hold(outcome.request.request_id, result.worker_id)
-            self.outputs.publish_token(outcome)  # may end a request on a stop string: before the records
+        self.outputs.publish_tokens(outcomes, result.worker_id)  # may end requests on stop strings: before the records
         self.outputs.publish_finished_without_token()
         records = self.policy.take_iteration_records()
         self.phase_cpu["fanout"] += time.process_time() - applied
