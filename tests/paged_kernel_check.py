@@ -31,8 +31,9 @@ SHAPES = (  # (query heads, KV heads, head dim, block size)
 )
 
 
-def reference(q, key_pool, value_pool, tables, lengths, block_size):
-    """Per row: its blocks gathered, SDPA in float32 over its first `length` tokens."""
+def gathered_attention(q, key_pool, value_pool, tables, lengths, block_size):
+    """paged_decode's contract in plain torch, in float32: per row, its blocks gathered, SDPA over
+    its first `length` tokens."""
     rows, n_heads, head_dim = q.shape
     n_kv_heads = key_pool.shape[1]
     out = torch.empty(rows, n_heads * head_dim)
@@ -57,7 +58,7 @@ def check_kernel() -> None:
             tables = torch.randperm(pool_blocks, generator=generator)[: rows * width].view(rows, width)
             lengths = torch.tensor([1, width * block_size, 7, block_size, width * block_size - 3])
             out = paged_decode(q, key_pool, value_pool, tables, lengths, block_size)
-            expected = reference(q, key_pool, value_pool, tables, lengths, block_size)
+            expected = gathered_attention(q, key_pool, value_pool, tables, lengths, block_size)
             assert out.dtype == dtype and out.shape == expected.shape
             # relative to the output's magnitude (one step of bfloat16 is 2^-7 of it at most)
             error = ((out.float() - expected).abs() / expected.abs().clamp(min=1.0)).max().item()

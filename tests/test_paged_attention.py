@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.worker import attention, paged_attention
-from services.worker.attention import gather_blocks
 from tests.engine_helpers import static_decode_steps_agree_with_the_per_request_path
+from tests.paged_kernel_check import gathered_attention
 from tests.requirements import skip_unless_ci
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,20 +56,6 @@ def test_in_place_paged_decode_kernel_in_tritons_interpreter():
     assert result.stdout.rstrip().endswith("ok")
 
 
-def gathered_decode(q, key_pool, value_pool, block_tables, context_lengths, block_size):
-    """paged_decode's contract in plain torch (gather, then SDPA per row): a stand-in kernel."""
-    rows, n_heads, head_dim = q.shape
-    n_kv_heads = key_pool.shape[1]
-    out = q.new_empty(rows, n_heads * head_dim)
-    for row in range(rows):
-        length = int(context_lengths[row])
-        keys = gather_blocks(key_pool, block_tables[row], block_size)[:length].transpose(0, 1)
-        values = gather_blocks(value_pool, block_tables[row], block_size)[:length].transpose(0, 1)
-        queries = q[row].view(n_kv_heads, n_heads // n_kv_heads, head_dim)
-        out[row] = F.scaled_dot_product_attention(queries, keys, values).reshape(-1)
-    return out
-
-
 def test_the_engine_takes_the_in_place_kernel_only_when_it_passes_its_self_check(monkeypatch, caplog):
     """DecodeGraphs asks paged_attention.usable, which runs the kernel against plain attention first:
     a kernel that agrees is used for every fixed-shape decode step (a stand-in with the kernel's
@@ -81,12 +66,12 @@ def test_the_engine_takes_the_in_place_kernel_only_when_it_passes_its_self_check
     assert not paged_attention.usable(cpu, *shape)  # the CPU without Triton's interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for module in (paged_attention, attention):
-        monkeypatch.setattr(module, "paged_decode", gathered_decode)
+        monkeypatch.setattr(module, "paged_decode", gathered_attention)
     assert paged_attention.usable(cpu, *shape)
     assert static_decode_steps_agree_with_the_per_request_path(steps=12).in_place
 
     def off_by_a_little(*args):
-        return gathered_decode(*args) * 1.01
+        return gathered_attention(*args) * 1.01
 
     def not_compiling(*args):
         raise RuntimeError("PassManager::run failed")
