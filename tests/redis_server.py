@@ -32,6 +32,7 @@ class RedisProcess:
 
     def __init__(self, port: int | None = None, data_dir: str | None = None, password: str | None = None) -> None:
         self.port = port or free_port()
+        self._owns_data_dir = data_dir is None  # a temp dir of its own: close() removes it
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="iterserve-redis-")
         self.password = password  # --requirepass: the URL carries it
         self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
@@ -60,6 +61,13 @@ class RedisProcess:
                 self.process.wait(timeout=10)
         self.process = None
 
+    def close(self) -> None:
+        """Stop for good: the server, and the data directory if it made its own (stop() alone keeps
+        it, for a restart on the same data)."""
+        self.stop()
+        if self._owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
 
 @contextlib.contextmanager
 def private_redis() -> Iterator[str]:
@@ -77,8 +85,7 @@ def private_redis() -> Iterator[str]:
         try:
             yield server.url
         finally:
-            server.stop()
-            shutil.rmtree(server.data_dir, ignore_errors=True)
+            server.close()
         return
     try:
         host, port = container.get_container_host_ip(), container.get_exposed_port(6379)

@@ -55,7 +55,7 @@ def password_redis():
     try:
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture(scope="module")

@@ -755,7 +755,7 @@ async def test_redis_down_answers_503_then_recovers_after_restart(tokenizer):
             finally:
                 await redis.aclose()
     finally:
-        server.stop()
+        server.close()
 
 
 

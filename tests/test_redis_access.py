@@ -34,7 +34,7 @@ def test_credentials_are_checked_once_at_start():
         assert wrong and "refused the credentials" in wrong and ":***@" in wrong and "wrong@" not in wrong
         assert "refused the credentials" in credentials_error(f"redis://127.0.0.1:{port}/0")
     finally:
-        server.stop()
+        server.close()
     assert credentials_error(f"redis://:x@127.0.0.1:{free_port()}/0", timeout=0.5) is None, (
         "a Redis that does not answer yet is for the services' retries, not an error")
 

@@ -19,7 +19,7 @@ def redis_url():
     try:
         yield server.url
     finally:
-        server.stop()
+        server.close()
 
 
 async def test_replies_come_back_in_order_with_errors_in_their_place(redis_url):

@@ -4,7 +4,6 @@ process only: the scheduler, the policy and the tokenizer are the real ones)."""
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -626,8 +625,7 @@ async def test_the_scheduler_survives_a_redis_restart():
             assert not task.done()
     finally:
         await redis.aclose()
-        server.stop()
-        shutil.rmtree(server.data_dir, ignore_errors=True)
+        server.close()
 
 
 def test_python_m_services_scheduler_stops_cleanly_on_sigterm(redis_url):
