@@ -326,7 +326,8 @@ def benchmark(device: torch.device, quick: bool) -> list[dict]:
                         torch.finfo(dtype).bits // 8)
                     roofline = batch * speed / (weight_bytes(config, dtype) + kv_read) if speed else None
                     row = {"model": name, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs,
-                           "compile": compile, "attention": attention, "batch": batch, "context": context, "step_ms": 1000 * seconds,
+                           "compile": compile, "attention": attention, "batch": batch, "context": context,
+                           "step_ms": 1000 * seconds,
                            "tok_per_s": batch / seconds, "roofline_tok_per_s": roofline, **device_figures,
                            "seconds_to_measure": round(time.perf_counter() - started, 1)}
                     rows.append(row)

@@ -103,29 +103,29 @@ class RequestOutputs:
             output = outputs[request_id]
             detokenizer = output.detokenizer
             piece = detokenizer.push(outcome.token_id)
-            if (plain and outcome.finish_reason is None and outcome.logprob is None and not state.sampling.stop
-                    and output.emitted == detokenizer.length - len(piece)):
-                output.emitted = detokenizer.length
-                index = outcome.output_index
+            if (outcome.finish_reason is not None or state.sampling.stop
+                    or output.emitted != detokenizer.length - len(piece)):
+                self._publish(outcome, output)  # it ends, or text is held back
+                continue
+            output.emitted = detokenizer.length
+            index = outcome.output_index
+            if plain and outcome.logprob is None:
                 queue_token(request_id, output.stream_key, f"0-{index + 1}",
                             encode_token_event(index, outcome.token_id, piece))
             else:
-                self._publish(outcome, output, piece)
+                self.token_event(request_id, index, outcome.token_id, piece, logprob=outcome.logprob,
+                                 top_logprobs=outcome.top_logprobs)
 
-    def _publish(self, outcome: TokenOutcome, output: OutputText, piece: str) -> None:
-        """A token whose text was pushed (`piece`): stop strings, held-back text, its request's end."""
+    def _publish(self, outcome: TokenOutcome, output: OutputText) -> None:
+        """A token (its text pushed) that ends its request or whose text may be held back: stop
+        strings, held-back text, its request's end."""
         state = outcome.request
         request_id = state.request_id
         finish = outcome.finish_reason
         detokenizer = output.detokenizer
         if finish is not None:
-            piece += detokenizer.flush()
+            detokenizer.flush()
         stop = state.sampling.stop
-        if finish is None and not stop and output.emitted == detokenizer.length - len(piece):
-            output.emitted = detokenizer.length  # nothing held back: only its log-probabilities to add
-            self.token_event(request_id, outcome.output_index, outcome.token_id, piece, logprob=outcome.logprob,
-                             top_logprobs=outcome.top_logprobs)
-            return
         text = detokenizer.text
         end = len(text)
         if stop:
@@ -184,7 +184,7 @@ class RequestOutputs:
     def token_event(self, request_id: str, index: int, token_id: int, text: str, **rest: Any) -> None:
         """One entry of the request's token stream (batched with the round trip's others: one EVAL)."""
         args = (keys.token_stream(request_id), token_entry_id(index), encode_token_event(index, token_id, text, **rest))
-        if not self.holding.keep(Write(TOKEN_ENTRY, args, {}, request_id)):
+        if not (self.holding.enabled and self.holding.keep(Write(TOKEN_ENTRY, args, {}, request_id))):
             self.link.queue_token(request_id, *args)
 
     def write_end(self, request_id: str, reason: FinishReason, completion_tokens: int) -> None:

@@ -56,7 +56,6 @@ end
 return failed
 """
 TOKEN_ENTRY = "token"  # a Write's command for a token stream entry: args (stream key, entry id, payload)
-TOKENS_MARK = None  # a Write's args holding this: where the round trip's token entries go among the writes
 REFUSED_WRITES = (ExecAbortError, OutOfMemoryError, ReadOnlyError)
 REFUSAL_PREFIXES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "EXECABORT")
 
@@ -78,6 +77,9 @@ class Write(NamedTuple):
     args: tuple
     kwargs: dict
     request_id: str | None = None  # the request whose keys it writes (None: a shared key)
+
+
+TOKENS_MARK = Write("token entries", (), {})  # in writes: where the round trip's token entries (one EVAL) go
 
 
 class TokenColumns:
@@ -138,7 +140,7 @@ class RedisLink:
         self.keys = model_keys  # the pool of the model this scheduler serves
         self.input_streams = (model_keys.new_requests, model_keys.cancels, model_keys.results)
         self.writes: list[Write] = []  # commands for the next round trip
-        self.tokens = TokenColumns()  # its token entries (one EVAL, where the first TOKENS_MARK stands in writes)
+        self.tokens = TokenColumns()  # its token entries (one EVAL, where the first TOKENS_MARK stands)
         self._tokens_marked = False  # writes holds a mark after the last round trip's snapshot
         self.read_ids = {stream: "0-0" for stream in self.input_streams}  # where each input stream was read up to
         self._trimmed_ids = dict(self.read_ids)
@@ -151,7 +153,7 @@ class RedisLink:
     def queue_token(self, request_id: str, stream_key: str, entry_id: str, payload: bytes) -> None:
         """A token stream entry for the next round trip (written before every write queued after it)."""
         if not self._tokens_marked:
-            self.writes.append(Write(TOKEN_ENTRY, TOKENS_MARK, {}))
+            self.writes.append(TOKENS_MARK)
             self._tokens_marked = True
         tokens = self.tokens
         tokens.request_ids.append(request_id)
@@ -196,7 +198,7 @@ class RedisLink:
         commands: list[Write | int] = []
         marked = False
         for write in writes:
-            if write.command != TOKEN_ENTRY:
+            if write is not TOKENS_MARK:
                 commands.append(write)
             elif not marked:
                 marked = True

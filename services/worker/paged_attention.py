@@ -75,7 +75,7 @@ def _kernel():
         tl.store(out_ptr + row * out_row_stride + q_heads[:, None] * HEAD_DIM + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
-    return triton, paged_decode_kernel
+    return paged_decode_kernel
 
 
 def usable(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -110,6 +110,8 @@ def self_check(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_head
                block_size: int) -> float:
     """The kernel on random data of the model's head shape against softmax attention in float32 over
     the same blocks gathered: the largest error relative to the output (at least 1)."""
+    from services.worker.attention import gather_blocks  # (that module imports this one)
+
     generator = torch.Generator().manual_seed(0)
     rows, width, pool_blocks = 3, 3, 12
     shape = (pool_blocks * block_size, n_kv_heads, head_dim)
@@ -121,10 +123,9 @@ def self_check(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_head
     group = n_heads // n_kv_heads
     worst = 0.0
     for row in range(rows):
-        slots = (tables[row].unsqueeze(1) * block_size + torch.arange(block_size, device=device)).reshape(-1)
-        slots = slots[: int(lengths[row])]
-        keys = key_pool[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, C, D]
-        values = value_pool[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        length = int(lengths[row])
+        keys, values = (gather_blocks(pool, tables[row], block_size)[:length].float()  # [Hq, C, D] each
+                        .repeat_interleave(group, dim=1).transpose(0, 1) for pool in (key_pool, value_pool))
         scores = (q[row].float().unsqueeze(1) @ keys.transpose(1, 2)) * head_dim ** -0.5  # [Hq, 1, C]
         expected = (scores.softmax(dim=-1) @ values).reshape(-1)
         worst = max(worst, ((out[row] - expected).abs() / expected.abs().clamp(min=1.0)).max().item())
@@ -140,7 +141,7 @@ def paged_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     """q [B, Hq, D] (one query per row), this layer's pools [slots, Hkv, D], block_tables [B, width]
     (a row's blocks in order; entries past its length are not read), context_lengths [B] (at least 1)
     -> [B, Hq*D]: softmax(q K^T / sqrt(D)) V over each row's first context_lengths tokens."""
-    triton, kernel = _kernel()
+    kernel = _kernel()
     rows, n_heads, head_dim = q.shape
     n_kv_heads = key_pool.shape[1]
     group = n_heads // n_kv_heads
