@@ -10,6 +10,8 @@ this shared machine hits them all.
 
     ../shared/peers/build-llama-server.sh                     # once, about 10 minutes
     .venv/bin/python benchmarks/vs_llama_server.py            # about 20 minutes
+    .venv/bin/python benchmarks/vs_llama_server.py --no-llama-server --levels 16 --dtypes float32
+                                                              # iterserve's sampled / greedy alone
 
 Writes benchmarks/results/vs_llama_server.{md,json}.
 """
@@ -17,6 +19,7 @@ Writes benchmarks/results/vs_llama_server.{md,json}.
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import signal
@@ -77,8 +80,8 @@ class LlamaServer:
         os.unlink(self.log.name)
 
 
-def load(script: Path, url: str, model: str, mode: str, seed_offset: int, out: Path) -> list[dict]:
-    command = [sys.executable, str(script), "--url", url, "--model", model, "--levels", LEVELS, "--mult", "2",
+def load(script: Path, url: str, model: str, mode: str, seed_offset: int, out: Path, levels: str) -> list[dict]:
+    command = [sys.executable, str(script), "--url", url, "--model", model, "--levels", levels, "--mult", "2",
                "--max-tokens", "64", "--force", "ignore_eos", "--seed-offset", str(seed_offset),
                "--json-out", str(out), *MODES[mode]]
     subprocess.run(command, check=True, timeout=3600, stdout=subprocess.DEVNULL)
@@ -93,9 +96,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="iterserve's --dtype, one server each")
+    parser.add_argument("--levels", default=LEVELS, help="concurrency levels, comma-separated")
+    parser.add_argument("--no-llama-server", action="store_true",
+                        help="iterserve alone: its sampled / greedy ratios, printed, no results written")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
-    if not args.llama_server.exists():
+    levels_run = [int(level) for level in args.levels.split(",")]
+    if not args.no_llama_server and not args.llama_server.exists():
         sys.exit(f"no llama-server at {args.llama_server}: build it with {PEERS / 'build-llama-server.sh'}")
     started = time.time()
     results: dict[str, list[dict]] = {}  # "server mode" -> load.py's row per concurrency level
@@ -104,35 +111,48 @@ def main() -> None:
         servers = [(f"iterserve-{dtype}", stack.enter_context(
             ServerProcess(workers=1, threads=args.threads, extra_args=("--dtype", dtype))).url, "smollm2-135m-instruct")
             for dtype in dtypes]
-        llama = stack.enter_context(LlamaServer(args.llama_server, args.threads, 64))
-        servers.append(("llama-server", llama.url, "smollm2"))
+        if not args.no_llama_server:
+            llama = stack.enter_context(LlamaServer(args.llama_server, args.threads, 64))
+            servers.append(("llama-server", llama.url, "smollm2"))
         for offset, mode in enumerate(MODES):  # the servers take turns; fresh prompts every run
             for name, url, model in servers:
                 print(f"{name} {mode} ...", flush=True)
                 results[f"{name} {mode}"] = load(args.load_script, url, model, mode, 1000 * (offset + 1) + len(results),
-                                                 scratch / f"{name}-{mode}.json")
+                                                 scratch / f"{name}-{mode}.json", args.levels)
+    if args.no_llama_server:
+        for dtype in dtypes:
+            greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
+                               for mode in MODES)
+            print(f"iterserve {dtype} output tok/s at {args.levels}: greedy " +
+                  " / ".join(f"{greedy[c]['tok_s']:.1f}" for c in levels_run) + ", sampled " +
+                  " / ".join(f"{sampled[c]['tok_s']:.1f}" for c in levels_run) + "; sampled / greedy " +
+                  " / ".join(f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in levels_run))
+        return
     lines = [f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
              "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker).",
-             "", "| server | mode | output tok/s at concurrency 1 / 4 / 16 / 64 | mean TTFT at 16 (s) |", "|---|---|---|---|"]
+             "", f"| server | mode | output tok/s at concurrency {' / '.join(map(str, levels_run))} "
+             "| mean TTFT at 16 (s) |", "|---|---|---|---|"]
     for key, report in results.items():
         levels = {level["concurrency"]: level for level in report}
-        tps = " / ".join(f"{levels[c]['tok_s']:.1f}" for c in (1, 4, 16, 64))
-        lines.append(f"| {key.split()[0]} | {key.split()[1]} | {tps} | {levels[16]['ttft_mean_s']:.2f} |")
-    lines += ["", "| iterserve | mode | iterserve / llama-server at 1 / 4 / 16 / 64 |", "|---|---|---|"]
+        tps = " / ".join(f"{levels[c]['tok_s']:.1f}" for c in levels_run)
+        ttft = levels[16]["ttft_mean_s"] if 16 in levels else math.nan
+        lines.append(f"| {key.split()[0]} | {key.split()[1]} | {tps} | {ttft:.2f} |")
+    lines += ["", f"| iterserve | mode | iterserve / llama-server at {' / '.join(map(str, levels_run))} |",
+              "|---|---|---|"]
     for dtype in dtypes:
         for mode in MODES:
             ours = {level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
             theirs = {level["concurrency"]: level for level in results[f"llama-server {mode}"]}
             lines.append(f"| {dtype} | {mode} | " + " / ".join(
-                f"{ours[c]['tok_s'] / theirs[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64)) + " |")
+                f"{ours[c]['tok_s'] / theirs[c]['tok_s']:.2f}x" for c in levels_run) + " |")
     lines.append("")
     for dtype in dtypes:
         greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
                            for mode in MODES)
-        lines.append(f"iterserve {dtype} sampled / greedy at 1 / 4 / 16 / 64: " + " / ".join(
-            f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in (1, 4, 16, 64)))
+        lines.append(f"iterserve {dtype} sampled / greedy at {' / '.join(map(str, levels_run))}: " + " / ".join(
+            f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in levels_run))
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,9 @@ def test_uniforms_are_a_function_of_seed_index_and_stream_only():
     assert ((together > 0) & (together < 1)).all()
     assert len(set(together.tolist())) == len(seeds)  # seeds differing in either half, indices
     assert not torch.equal(uniforms(seeds, indices, stream=1), together)
+    # Several streams at once (a draw and top_p's rejection rounds) are the streams alone.
+    streams = uniforms(seeds, indices, stream=torch.arange(3))
+    assert torch.equal(streams, torch.stack([uniforms(seeds, indices, stream=s) for s in range(3)], dim=1))
     # Pinned values: a change of the hash changes every request's tokens across versions.
     assert uniforms(torch.tensor([0, 42]), torch.tensor([0, 5])).tolist() == [0.12659533527000388, 0.7553739374167935]
 

@@ -73,6 +73,7 @@ MAX_TOP_LOGPROBS = 20
 # to infinity, and nothing but the top token could be drawn anyway.
 GREEDY_BELOW = 1e-5
 MAX_REJECTION_ROUNDS = 1 << 16  # never reached with finite logits: each round drops >= 1 token
+PRECOMPUTED_STREAMS = 4  # a draw and 3 rejection rounds (one is typical for a 64-row step)
 _MASK32 = 0xFFFFFFFF
 
 
@@ -418,11 +419,16 @@ def seed_keys(seed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=1)
 
 
-def _uniforms(keys: torch.Tensor, output_index: torch.Tensor, stream: int) -> torch.Tensor:
+def _uniforms(keys: torch.Tensor, output_index: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     """The output index enters one lane and the stream the other, then three half-rounds mix
-    both into both (a bijection of the 64-bit state for a given key)."""
+    both into both (a bijection of the 64-bit state for a given key). stream: an int ([R]
+    uniforms) or an [S] int64 tensor ([R, S]: several streams of each row for the ops' cost of
+    one, each value the one the stream alone gives)."""
     a = keys[:, 0] ^ (output_index & _MASK32)
-    b = keys[:, 1] ^ ((stream * 0x2545F491 + 0x68E31DA4) & _MASK32)
+    b = keys[:, 1]
+    if isinstance(stream, torch.Tensor):
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    b = b ^ ((stream * 0x2545F491 + 0x68E31DA4) & _MASK32)
     b = b ^ _mix32(a)
     a = a ^ _mix32(b)
     b = b ^ _mix32(a)
@@ -453,23 +459,27 @@ def _target(u: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 
 def _first_above(ends: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[R, N] nondecreasing cumulative sums, [R] targets -> index of the first end > target."""
-    return (ends <= target.unsqueeze(1)).sum(1)
+    """[R, N] nondecreasing cumulative sums, [R] targets -> index of the first end > target
+    (one binary search per row: a comparison and a sum over [R, N] cost several times more)."""
+    return torch.searchsorted(ends, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _block_masses(weights: torch.Tensor) -> torch.Tensor:
-    """[R, W] float32 weights (W a multiple of BLOCK) -> [R, W / BLOCK] int64 fixed-point block
-    sums. Each float sum covers one block within one row: the same whatever the batch."""
-    return _fixed(weights.view(weights.shape[0], -1, BLOCK).sum(2), PROBABILITY_BITS)
+def _block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """[R, W] float32 weights (W a multiple of BLOCK) -> [R, W / BLOCK] float32 block sums. Each
+    float sum covers one block within one row: the same whatever the batch. A sum is at least
+    each of its (nonnegative) terms, since rounding is monotone: fl(a + b) >= max(a, b)."""
+    return weights.view(weights.shape[0], -1, BLOCK).sum(2)
 
 
-def _draw_blocked(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_blocked(weights: torch.Tensor, u: torch.Tensor,
+                  block_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, W] float32 weights >= 0, W a multiple of BLOCK, total <= ~1 -> ([R] token ids,
     [R] int64 fixed-point totals), by inverse CDF in vocabulary order: the block, from the
-    cumulative block masses, then the token, from the block's own fixed-point weights (the
-    target rescaled to their sum, which differs from the block's float sum by rounding)."""
+    cumulative fixed-point block masses, then the token, from the block's own fixed-point weights
+    (the target rescaled to their sum, which differs from the block's float sum by rounding).
+    block_sums: _block_sums(weights), when the caller has them."""
     count = weights.shape[0]
-    block_mass = _block_masses(weights)
+    block_mass = _fixed(_block_sums(weights) if block_sums is None else block_sums, PROBABILITY_BITS)
     ends = block_mass.cumsum(1)
     total = ends[:, -1]
     target = _target(u, total)
@@ -569,21 +579,35 @@ def _sample_full(x: torch.Tensor, group: _Group, rows: SamplingRows, workspace: 
         else:
             weights.index_copy_(0, group.min_p.index, torch.softmax(shifted, dim=1, out=logits))
     keys, output_index = take(rows.seed_keys()), take(rows.output_index)
-    tokens, totals = _draw_blocked(weights, _uniforms(keys, output_index, 0))
+    # Streams 0 (the draw) to PRECOMPUTED_STREAMS - 1 (top_p's first rejection rounds) at once.
+    u = _uniforms(keys, output_index, _precomputed_streams(device))
+    block_sums = _block_sums(weights)
+    tokens, totals = _draw_blocked(weights, u[:, 0], block_sums)
     if group.top_p is None:
         return tokens
-    return _top_p_by_rejection(weights, tokens, totals, group.top_p, take(rows.top_p), keys, output_index, workspace)
+    return _top_p_by_rejection(weights, block_sums, tokens, totals, group.top_p, take(rows.top_p), keys, output_index,
+                               u, workspace)
 
 
-def _top_p_by_rejection(weights: torch.Tensor, tokens: torch.Tensor, totals: torch.Tensor, top_p_rows: _Rows,
-                        top_p: torch.Tensor, keys: torch.Tensor, output_index: torch.Tensor,
-                        workspace: Workspace) -> torch.Tensor:
+_streams: dict[torch.device, torch.Tensor] = {}
+
+
+def _precomputed_streams(device: torch.device) -> torch.Tensor:
+    if device not in _streams:
+        _streams[device] = torch.arange(PRECOMPUTED_STREAMS, device=device)
+    return _streams[device]
+
+
+def _top_p_by_rejection(weights: torch.Tensor, block_sums: torch.Tensor, tokens: torch.Tensor, totals: torch.Tensor,
+                        top_p_rows: _Rows, top_p: torch.Tensor, keys: torch.Tensor, output_index: torch.Tensor,
+                        precomputed: torch.Tensor, workspace: Workspace) -> torch.Tensor:
     """Draw again for the top_p rows whose token is outside their nucleus, until none is.
 
     A token is in iff the (fixed-point) mass strictly above its weight is below top_p x the
     row's kept total. A rejected token shows that no token at or below its weight is in, so
     the next draw (the row's next stream) is from the tokens above it only: the nucleus is
-    never cut, and each round drops at least the rejected token."""
+    never cut, and each round drops at least the rejected token. precomputed: [R, S] uniforms
+    of streams 0 .. S - 1 of every row of weights."""
     count, width = weights.shape
     device = weights.device
     pending = top_p_rows.index if top_p_rows.index is not None else torch.arange(count, device=device)
@@ -594,15 +618,9 @@ def _top_p_by_rejection(weights: torch.Tensor, tokens: torch.Tensor, totals: tor
         # The mass strictly above a token is at most the total minus its own weight.
         accept = total - _fixed(chosen, PROBABILITY_BITS).to(torch.float64) < limit
         check = (~accept).nonzero().squeeze(1)
-        if pending.numel() == count and 2 * check.numel() > count:
-            # Most rows need the pass: run it on all rows rather than gather them (a row's
-            # result is the same either way, and an accepted row stays accepted).
-            accept |= _in_nucleus(_mass_above(weights, chosen, workspace), limit)
-        elif check.numel():
-            buffer = workspace.take("scratch2", (check.numel(), width), torch.float32, device)
-            candidates = torch.index_select(weights, 0, pending.index_select(0, check), out=buffer)
-            inside = _in_nucleus(_mass_above(candidates, chosen.index_select(0, check), workspace),
-                                 limit.index_select(0, check))
+        if check.numel():
+            inside = _in_nucleus(_mass_above(weights, block_sums, pending.index_select(0, check),
+                                             chosen.index_select(0, check)), limit.index_select(0, check))
             accept = accept.index_copy(0, check, inside)
         rejected = (~accept).nonzero().squeeze(1)
         if not rejected.numel():
@@ -612,8 +630,11 @@ def _top_p_by_rejection(weights: torch.Tensor, tokens: torch.Tensor, totals: tor
         kept = torch.index_select(weights, 0, pending,
                                   out=workspace.take("scratch2", (pending.numel(), width), torch.float32, device))
         kept.mul_(_greater(kept, bound, workspace.take("scratch1", kept.shape, torch.float32, device)))
-        redraw, _ = _draw_blocked(kept, _uniforms(keys.index_select(0, pending), output_index.index_select(0, pending),
-                                                  stream))
+        if stream < precomputed.shape[1]:
+            u = precomputed[:, stream].index_select(0, pending)
+        else:
+            u = _uniforms(keys.index_select(0, pending), output_index.index_select(0, pending), stream)
+        redraw, _ = _draw_blocked(kept, u)
         tokens = tokens.index_copy(0, pending, redraw)
     raise RuntimeError("top_p rejection did not converge (NaN logits?)")
 
@@ -624,17 +645,26 @@ def _in_nucleus(mass_above: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     return (mass_above < limit) | (mass_above <= 0)
 
 
-def _mass_above(weights: torch.Tensor, chosen: torch.Tensor, workspace: Workspace) -> torch.Tensor:
-    """[R, W] weights, [R] chosen weights > 0 -> [R] float64: the fixed-point mass of the
-    weights > chosen, summed by blocks as weight / chosen, then scaled back per block.
+def _mass_above(weights: torch.Tensor, block_sums: torch.Tensor, rows: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+    """[R, W] weights and their [R, W / BLOCK] float block sums, [N] rows of them, [N] chosen
+    weights > 0 -> [N] float64: the fixed-point mass of each row's weights > its chosen one,
+    summed by blocks as weight / chosen, then scaled back per block.
 
-    Two passes (a division and an in-place threshold) instead of a mask's four: for float32
-    w > c the exact quotient is >= 1 + ulp(c) / c > 1 + 2**-24, so it rounds above 1, and
-    threshold (keep x > 1) keeps exactly the weights above the chosen one."""
-    ratios = torch.div(weights, chosen.unsqueeze(1), out=workspace.take("scratch1", weights.shape, torch.float32,
-                                                                         weights.device))
-    blocks = F.threshold_(ratios, 1.0, 0.0).view(weights.shape[0], -1, BLOCK).sum(2)
-    return _fixed(blocks * chosen.unsqueeze(1), PROBABILITY_BITS).sum(1).to(torch.float64)
+    Only blocks whose float sum exceeds the chosen weight can hold a weight above it (a sum is
+    at least each of its terms), so only those are read: for a token in a 0.95 nucleus of a few
+    hundred tokens, about a sixth of a 49152-token row, and the answer is the whole row's (the
+    other blocks add exactly 0). Then two passes (a division and an in-place threshold) instead
+    of a mask's four: for float32 w > c the exact quotient is >= 1 + ulp(c) / c > 1 + 2**-24,
+    so it rounds above 1, and threshold (keep x > 1) keeps exactly the weights above c."""
+    per_row = block_sums.shape[1]
+    which, block = (block_sums.index_select(0, rows) > chosen.unsqueeze(1)).nonzero().unbind(1)
+    blocks = weights.view(-1, BLOCK).index_select(0, rows.index_select(0, which) * per_row + block)
+    scale = chosen.index_select(0, which)
+    sums = F.threshold_(blocks.div_(scale.unsqueeze(1)), 1.0, 0.0).sum(1)
+    masses = _fixed(sums * scale, PROBABILITY_BITS)
+    return torch.zeros(rows.numel(), dtype=torch.long, device=weights.device).index_add_(0, which, masses).to(
+        torch.float64)
 
 
 def _sample_top_k(x: torch.Tensor, group: _Group, rows: SamplingRows, workspace: Workspace) -> torch.Tensor:
