@@ -11,7 +11,8 @@ and model), driven by `iterserve bench` with the same seeded workload:
    from /status every 0.2 s, against --placement-slack);
 3. the same two-worker pair with smaller KV pools (--pressure-kv-blocks, one pair per size: 256
    blocks hold about half the conversations' histories), where what one worker caches is what the
-   other does not have to;
+   other does not have to (--only-pressured --rounds N: only these, N pairs per size, written to
+   prefix_cache_pressured.{json,md});
 4. system-prompt, one worker: caching on against off.
 Writes benchmarks/results/prefix_cache.json and .md (the ratios first). This machine is shared
 and noisy: the ratios are what to read, each pair measured back to back.
@@ -88,6 +89,48 @@ def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
 
+def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, conversations: int,
+                    started: float) -> None:
+    """The two placements with small KV pools, pair after pair (so a slow spell of this shared
+    machine hits both), `rounds` pairs per pool: each pair's ratios, then the ratios of the means."""
+    runs = []
+    for round_index in range(rounds):
+        for blocks in pools:
+            pair = {placement: run(f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
+                                   ("--placement", placement, "--kv-blocks", str(blocks)), workload, conversations, 8)
+                    for placement in ("cache-aware", "least-loaded")}
+            runs.append({"round": round_index + 1, "kv_blocks": blocks, **pair})
+    command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
+    lines = ["# Cache-aware against least-loaded placement with small KV pools", "",
+             f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, CPU, SmolLM2-135M, 2 workers, "
+             f"{workload.describe()}, {conversations} conversations at concurrency 8; load gap: the largest difference "
+             f"in running requests between the workers, sampled every 0.2 s, against --placement-slack {SLACK})", "",
+             "| KV blocks per worker | round | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns 2+ ms "
+             "cache-aware / least-loaded | ratio (lower) | load gap |", "|---|---|---|---|---|---|---|"]
+    for pair in runs:
+        aware, least = pair["cache-aware"], pair["least-loaded"]
+        lines.append(f"| {pair['kv_blocks']} | {pair['round']} | {100 * aware['hit_rate']:.1f}% / "
+                     f"{100 * least['hit_rate']:.1f}% | {ratio(aware['hit_rate'], least['hit_rate']) or 0:.2f}x | "
+                     f"{aware['ttft_later_turns_p50_ms']:.0f} / {least['ttft_later_turns_p50_ms']:.0f} | "
+                     f"{ratio(least['ttft_later_turns_p50_ms'], aware['ttft_later_turns_p50_ms']) or 0:.2f}x | "
+                     f"{aware['largest_running_gap']} / {least['largest_running_gap']} |")
+    for blocks in pools:
+        pairs = [pair for pair in runs if pair["kv_blocks"] == blocks]
+
+        def mean(placement: str, field: str) -> float:
+            return sum(pair[placement][field] for pair in pairs) / len(pairs)
+
+        hits = mean("cache-aware", "hit_rate"), mean("least-loaded", "hit_rate")
+        ttfts = mean("cache-aware", "ttft_later_turns_p50_ms"), mean("least-loaded", "ttft_later_turns_p50_ms")
+        lines.append(f"| {blocks} | mean of {len(pairs)} | {100 * hits[0]:.1f}% / {100 * hits[1]:.1f}% | "
+                     f"{hits[0] / hits[1]:.2f}x | {ttfts[0]:.0f} / {ttfts[1]:.0f} | {ttfts[1] / ttfts[0]:.2f}x | - |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefix_cache_pressured.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1)
+                                                         + "\n")
+    (RESULTS / "prefix_cache_pressured.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=8)
@@ -95,7 +138,10 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=24, help="system-prompt workload: requests")
     parser.add_argument("--pressure-kv-blocks", default="256,160",
                         help="KV blocks per worker of the pressured two-worker pairs, one pair each (default 256,160)")
-    parser.add_argument("--only-pressured", action="store_true", help="run only the pressured two-worker pairs")
+    parser.add_argument("--only-pressured", action="store_true",
+                        help="run only the pressured two-worker pairs, --rounds times each, and write "
+                             "prefix_cache_pressured.{json,md}")
+    parser.add_argument("--rounds", type=int, default=1, help="--only-pressured: pairs per pool size")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
@@ -105,16 +151,15 @@ def main() -> None:
     shared = WorkloadConfig(name="system-prompt", input_range=(16, 48), output_range=(8, 24), system_prompt_tokens=384)
     pools = [int(blocks) for blocks in args.pressure_kv_blocks.split(",") if blocks]
     started = time.time()
+    if args.only_pressured:
+        write_pressured(pools, args.rounds, multiturn, args.conversations, started)
+        return
     runs = {}
     for blocks in pools:
         for placement in ("cache-aware", "least-loaded"):
             runs[f"pressured_{blocks}_{placement.replace('-', '_')}"] = run(
                 f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
                 ("--placement", placement, "--kv-blocks", str(blocks)), multiturn, args.conversations, 8)
-    if args.only_pressured:
-        print(json.dumps({name: (result["hit_rate"], result["ttft_later_turns_p50_ms"])
-                          for name, result in runs.items()}))
-        return
     runs = {
         "one_worker_cached": run("multiturn, 1 worker, prefix caching", 1, (), multiturn, args.conversations, 4),
         "one_worker_uncached": run("multiturn, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",), multiturn,
