@@ -89,6 +89,12 @@ def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
 
+def run_pressured(placement: str, blocks: int, workload: WorkloadConfig, conversations: int) -> dict:
+    """Two workers of `blocks` KV blocks each, at concurrency 8."""
+    return run(f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
+               ("--placement", placement, "--kv-blocks", str(blocks)), workload, conversations, 8)
+
+
 def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, conversations: int,
                     started: float) -> None:
     """The two placements with small KV pools, pair after pair (so a slow spell of this shared
@@ -96,8 +102,7 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
     runs = []
     for round_index in range(rounds):
         for blocks in pools:
-            pair = {placement: run(f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
-                                   ("--placement", placement, "--kv-blocks", str(blocks)), workload, conversations, 8)
+            pair = {placement: run_pressured(placement, blocks, workload, conversations)
                     for placement in ("cache-aware", "least-loaded")}
             runs.append({"round": round_index + 1, "kv_blocks": blocks, **pair})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
@@ -157,9 +162,8 @@ def main() -> None:
     runs = {}
     for blocks in pools:
         for placement in ("cache-aware", "least-loaded"):
-            runs[f"pressured_{blocks}_{placement.replace('-', '_')}"] = run(
-                f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
-                ("--placement", placement, "--kv-blocks", str(blocks)), multiturn, args.conversations, 8)
+            runs[f"pressured_{blocks}_{placement.replace('-', '_')}"] = run_pressured(placement, blocks, multiturn,
+                                                                                      args.conversations)
     runs = {
         "one_worker_cached": run("multiturn, 1 worker, prefix caching", 1, (), multiturn, args.conversations, 4),
         "one_worker_uncached": run("multiturn, 1 worker, --no-prefix-caching", 1, ("--no-prefix-caching",), multiturn,

@@ -119,40 +119,35 @@ def main() -> None:
                 print(f"{name} {mode} ...", flush=True)
                 results[f"{name} {mode}"] = load(args.load_script, url, model, mode, 1000 * (offset + 1) + len(results),
                                                  scratch / f"{name}-{mode}.json", args.levels)
+    shown = " / ".join(map(str, levels_run))
+    by_level = {key: {level["concurrency"]: level for level in report} for key, report in results.items()}
+
+    def sampled_over_greedy(dtype: str) -> str:
+        greedy, sampled = by_level[f"iterserve-{dtype} greedy"], by_level[f"iterserve-{dtype} sampled"]
+        return f"iterserve {dtype} sampled / greedy at {shown}: " + " / ".join(
+            f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in levels_run)
+
     if args.no_llama_server:
-        for dtype in dtypes:
-            greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
-                               for mode in MODES)
-            print(f"iterserve {dtype} output tok/s at {args.levels}: greedy " +
-                  " / ".join(f"{greedy[c]['tok_s']:.1f}" for c in levels_run) + ", sampled " +
-                  " / ".join(f"{sampled[c]['tok_s']:.1f}" for c in levels_run) + "; sampled / greedy " +
-                  " / ".join(f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in levels_run))
+        for key, levels in by_level.items():
+            print(f"{key} output tok/s at {shown}: " + " / ".join(f"{levels[c]['tok_s']:.1f}" for c in levels_run))
+        print("\n".join(map(sampled_over_greedy, dtypes)))
         return
     lines = [f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
              "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker).",
-             "", f"| server | mode | output tok/s at concurrency {' / '.join(map(str, levels_run))} "
-             "| mean TTFT at 16 (s) |", "|---|---|---|---|"]
-    for key, report in results.items():
-        levels = {level["concurrency"]: level for level in report}
+             "", f"| server | mode | output tok/s at concurrency {shown} | mean TTFT at 16 (s) |", "|---|---|---|---|"]
+    for key, levels in by_level.items():
         tps = " / ".join(f"{levels[c]['tok_s']:.1f}" for c in levels_run)
         ttft = levels[16]["ttft_mean_s"] if 16 in levels else math.nan
         lines.append(f"| {key.split()[0]} | {key.split()[1]} | {tps} | {ttft:.2f} |")
-    lines += ["", f"| iterserve | mode | iterserve / llama-server at {' / '.join(map(str, levels_run))} |",
-              "|---|---|---|"]
+    lines += ["", f"| iterserve | mode | iterserve / llama-server at {shown} |", "|---|---|---|"]
     for dtype in dtypes:
         for mode in MODES:
-            ours = {level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
-            theirs = {level["concurrency"]: level for level in results[f"llama-server {mode}"]}
+            ours, theirs = by_level[f"iterserve-{dtype} {mode}"], by_level[f"llama-server {mode}"]
             lines.append(f"| {dtype} | {mode} | " + " / ".join(
                 f"{ours[c]['tok_s'] / theirs[c]['tok_s']:.2f}x" for c in levels_run) + " |")
-    lines.append("")
-    for dtype in dtypes:
-        greedy, sampled = ({level["concurrency"]: level for level in results[f"iterserve-{dtype} {mode}"]}
-                           for mode in MODES)
-        lines.append(f"iterserve {dtype} sampled / greedy at {' / '.join(map(str, levels_run))}: " + " / ".join(
-            f"{sampled[c]['tok_s'] / greedy[c]['tok_s']:.2f}x" for c in levels_run))
+    lines += ["", *map(sampled_over_greedy, dtypes)]
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
