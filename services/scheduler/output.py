@@ -98,23 +98,19 @@ class RequestOutputs:
                 holding.hold(outcome.request.request_id, worker_id)
         outputs, queue_token, plain = self._outputs, self.link.queue_token, not holding.enabled
         for outcome in outcomes:
-            state = outcome.request
+            state, token_id, index, finish_reason, logprob, top_logprobs = outcome  # (no attribute reads)
             request_id = state.request_id
             output = outputs[request_id]
             detokenizer = output.detokenizer
-            piece = detokenizer.push(outcome.token_id)
-            if (outcome.finish_reason is not None or state.sampling.stop
-                    or output.emitted != detokenizer.length - len(piece)):
+            piece = detokenizer.push(token_id)
+            if finish_reason is not None or state.sampling.stop or output.emitted != detokenizer.length - len(piece):
                 self._publish(outcome, output)  # it ends, or text is held back
                 continue
             output.emitted = detokenizer.length
-            index = outcome.output_index
-            if plain and outcome.logprob is None:
-                queue_token(request_id, output.stream_key, f"0-{index + 1}",
-                            encode_token_event(index, outcome.token_id, piece))
+            if plain and logprob is None:
+                queue_token(request_id, output.stream_key, f"0-{index + 1}", encode_token_event(index, token_id, piece))
             else:
-                self.token_event(request_id, index, outcome.token_id, piece, logprob=outcome.logprob,
-                                 top_logprobs=outcome.top_logprobs)
+                self.token_event(request_id, index, token_id, piece, logprob=logprob, top_logprobs=top_logprobs)
 
     def _publish(self, outcome: TokenOutcome, output: OutputText) -> None:
         """A token (its text pushed) that ends its request or whose text may be held back: stop

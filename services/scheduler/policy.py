@@ -36,6 +36,7 @@ No Redis, no asyncio, no tensors here: services/scheduler/service.py moves the m
 
 import bisect
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -100,9 +101,7 @@ class _Batch:
     admitted: list[str] = field(default_factory=list)
 
 
-def _decodes_first(state: RequestState) -> tuple[bool, tuple[float, int]]:
-    """A worker's running requests in the order they step: decodes first, then FCFS."""
-    return not state.is_decoding, state.fcfs_key
+_FCFS_KEY = operator.attrgetter("fcfs_key")
 
 
 def status_for(reason: FinishReason) -> Literal["finished", "cancelled", "failed"]:
@@ -414,6 +413,7 @@ class SchedulerPolicy:
         sampled = {token.request_id: token for token in result.tokens}
         outcomes: list[TokenOutcome] = []
         running, placements, prefix_caching = worker.running, flight.placements, self.prefix_caching
+        stop_token_ids, context_length = self.stop_token_ids, self.context_length
         for request_id, token_ids, start_position, sample, output_index, _ in flight.plan.items:
             state = running.get(request_id)
             if state is None or state.placement != placements.get(request_id):
@@ -441,9 +441,14 @@ class SchedulerPolicy:
                 continue  # already have it
             token_id = token.token_id
             output.append(token_id)
-            reason = self._finish_reason_after_output(state)
-            if reason is not None:
-                self._end(state, reason)
+            # (_finish_reason_after_output's first test, inline: most tokens end nothing)
+            if (token_id in stop_token_ids or len(output) >= state.sampling.max_tokens
+                    or state.prompt_length + len(output) >= context_length):
+                reason = self._finish_reason_after_output(state)
+                if reason is not None:
+                    self._end(state, reason)
+            else:
+                reason = None
             outcomes.append(TokenOutcome(state, token_id, output_index, reason, token.logprob, token.top_logprobs))
         return outcomes
 
@@ -453,11 +458,16 @@ class SchedulerPolicy:
         """Running requests step first: decodes (one token each), then prefill chunks, FCFS."""
         worker = batch.worker
         running, chunks, staged = worker.running, batch.chunks, worker.stages > 1
-        order = sorted(running.values(), key=_decodes_first)
+        # Decodes first (its next step feeds only the token its previous step samples), then the
+        # rest, FCFS within each: a stable split of the FCFS order, with no key function per request.
+        by_arrival = sorted(running.values(), key=_FCFS_KEY)
+        order = [state for state in by_arrival if state.is_decoding]
+        if len(order) < len(by_arrival):
+            order.extend(state for state in by_arrival if not state.is_decoding)
         # Pipeline stages: the requests whose token is not on its way, in lanes of about 1/stages
         # of the worker's requests, so each stage has a plan's worth while the others run theirs.
         lane = -(-len(running) // worker.stages) if staged else len(running)
-        context_length = self.context_length
+        context_length, block_size = self.context_length, worker.kv_block_size
         for state in order:
             if batch.budget <= 0 or len(chunks) >= lane:
                 break
@@ -471,7 +481,10 @@ class SchedulerPolicy:
                               or state.prompt_length + outputs >= context_length):
                 continue
             chunk = min(pending, batch.budget)
-            if self._make_room(batch, state, state.computed + chunk):
+            # (Within the blocks it holds, as most decode steps are, it needs no room: tested here
+            # rather than in _make_room, a call per request per step.)
+            if -(-(state.computed + chunk) // block_size) <= state.kv_blocks or self._make_room(
+                    batch, state, state.computed + chunk):
                 chunks[state.request_id] = chunk
                 batch.budget -= chunk
 
@@ -648,17 +661,18 @@ class SchedulerPolicy:
             start = state.computed
             end = start + chunk
             outputs = len(state.output_token_ids)
-            if state.is_decoding:
+            in_flight = state.in_flight_samples
+            if outputs + in_flight and start == state.prompt_length + outputs + in_flight - 1:  # (is_decoding)
                 decode_tokens += chunk
             else:
                 prefill_tokens += chunk
             if not state.stepped_on_worker:
                 joined.append(request_id)
                 state.stepped_on_worker = True
-            if state.in_flight_samples:  # its input is the token a plan in flight samples
+            if in_flight:  # its input is the token a plan in flight samples
                 if chunk != 1:  # the bookkeeping is broken: better to stop than plan on it
                     raise RuntimeError(f"{request_id}: {chunk} tokens pending behind a token sampled in flight")
-                items.append(StepItem(request_id, (), start, True, outputs + state.in_flight_samples, True))
+                items.append(StepItem(request_id, (), start, True, outputs + in_flight, True))
                 state.in_flight_samples += 1
             else:
                 sample = end == state.prompt_length + outputs
@@ -669,9 +683,9 @@ class SchedulerPolicy:
         new_requests = [
             NewRequest(request_id=request_id, sampling=state.sampling,
                        cached_blocks=tuple(state.held_hashes[: state.adopted_blocks]))
-            for request_id, state in worker.running.items()
+            for request_id, state in running.items()
             if request_id not in worker.known
-        ]
+        ] if not worker.known.issuperset(running) else []  # (one set operation in the common case)
         worker.known.update(new.request_id for new in new_requests)
         plan = BatchPlan(
             scheduler_epoch=self.epoch,
