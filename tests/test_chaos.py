@@ -887,7 +887,10 @@ def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_
         moved = sum(int(re.search(r"requeued=(\d+)", line).group(1))
                     for _, line in cluster.log_events("scheduler", "worker_down"))
         if down_seconds == 0:  # no heartbeat key expired: nothing moved, nothing computed twice
-            assert (declared_dead, moved, recomputed) == (0, 0, 0), (declared_dead, moved, recomputed)
+            # (On failure: the scheduler's lines about workers say which path moved them.)
+            events = r" (worker_(dead|gone|restarted|down|up|reset|cache_reset)|plan_stalled) "
+            workers_seen = [line for line in cluster.log("scheduler").splitlines() if re.search(events, line)]
+            assert (declared_dead, moved, recomputed) == (0, 0, 0), (declared_dead, moved, recomputed, workers_seen)
         else:
             # Every heartbeat key expired meanwhile. Usually the scheduler looks first after the
             # restart, declares the workers dead and rebuilds their requests when they come back;

@@ -3,6 +3,7 @@ process only: the scheduler, the policy and the tokenizer are the real ones)."""
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -14,6 +15,9 @@ import pytest
 from redis.exceptions import OutOfMemoryError
 
 from services.gateway.store import Store
+from services.scheduler.liveness import WorkerLiveness
+from services.scheduler.policy import SchedulerPolicy
+from services.scheduler.redis_link import RedisLink
 from services.scheduler.service import SchedulerService, run_scheduler
 from shared import keys
 from shared.config import Settings
@@ -468,6 +472,35 @@ async def test_a_dead_workers_requests_are_rebuilt_on_another_and_its_keys_delet
         assert not await redis_client.exists(keys.worker_heartbeat("w-dies"))
         assert await redis_client.exists(keys.plan_stream("w-stays")), "the live worker's plan stream is kept"
         assert stays.errors == [] and dies.errors == []
+
+
+async def test_a_live_worker_missing_from_the_workers_set_keeps_its_requests_until_its_heartbeat_key_goes(
+        redis_client, caplog):
+    """Liveness is the heartbeat key: a worker the scheduler knows that is not listed in the set
+    (its listing lost, as in a Redis restart that dropped it) is asked about by its key, and stays,
+    requests and all; once the key is gone too, it left (worker_gone) and its requests wait again."""
+    caplog.set_level(logging.INFO, logger="iterserve.scheduler")
+    policy = SchedulerPolicy("epoch", context_length=256, stop_token_ids=())
+    link = RedisLink(redis_client, on_write_failed=lambda write, error: None)
+    liveness = WorkerLiveness(link, policy, {}, stall_seconds=60)
+    info = WorkerInfo(worker_id="w1", pid=os.getpid(), host="here", device="fake", kv_block_size=16,
+                      kv_blocks_total=64, kv_blocks_free=64, running=0, started_at=1.0, heartbeat_at=time.time())
+    await redis_client.set(keys.worker_heartbeat("w1"), encode(info), px=60_000)
+    await redis_client.sadd(link.keys.workers, "w1")
+    await liveness.poll()
+    policy.add_request(RequestRecord(request_id="r1", prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=4),
+                                     arrival_time=time.time()))
+    assert policy.next_plan("w1") is not None and policy.running_count == 1
+
+    await redis_client.srem(link.keys.workers, "w1")
+    await liveness.poll()
+    assert policy.worker_ids == ("w1",) and policy.running_count == 1, "a live worker was given up"
+    assert "worker_unlisted worker_id=w1" in caplog.text and "worker_gone" not in caplog.text
+
+    await redis_client.delete(keys.worker_heartbeat("w1"))
+    await liveness.poll()
+    assert policy.worker_ids == () and policy.waiting_count == 1
+    assert "worker_gone worker_id=w1" in caplog.text and "worker_dead" not in caplog.text
 
 
 async def test_a_worker_that_lost_a_request_answers_unknown_request_and_the_scheduler_rebuilds_it(

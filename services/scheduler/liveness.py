@@ -39,18 +39,23 @@ class WorkerLiveness:
                 log.warning("malformed_worker_id member=%r", member[:80])
                 self.link.queue("srem", self.link.keys.workers, member)
         worker_ids.sort()
+        listed = len(worker_ids)
+        # A worker we know that is not listed is asked about too: the heartbeat key decides whether it
+        # lives (a departing worker leaves the set first, then deletes its key; its own next beat lists
+        # a live one again).
+        worker_ids.extend(sorted(set(self.policy.worker_ids).difference(worker_ids)))
         values = []
         if worker_ids:
             values = await bounded(redis.mget([keys.worker_heartbeat(worker_id) for worker_id in worker_ids]),
                                    REDIS_SLACK_SECONDS)
-        seen = set()
-        for worker_id, value in zip(worker_ids, values, strict=True):
+        for position, (worker_id, value) in enumerate(zip(worker_ids, values, strict=True)):
             if value is None:
-                if worker_id in self.policy.worker_ids:
-                    log.warning("worker_dead worker_id=%s", worker_id)
+                if worker_id in self.policy.worker_ids:  # listed: it died; not listed: it left
+                    log.warning("%s worker_id=%s", "worker_dead" if position < listed else "worker_gone", worker_id)
                 self.forget(worker_id)
                 continue
-            seen.add(worker_id)
+            if position >= listed:
+                log.info("worker_unlisted worker_id=%s", worker_id)  # alive: its heartbeat key is there
             try:
                 info = decode(WorkerInfo, value)
             except WireError as error:
@@ -65,10 +70,6 @@ class WorkerLiveness:
                 self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size, info.pipeline_stages)
             self._started_at[worker_id] = info.started_at
             self.policy.set_draining(worker_id, info.draining)
-        for worker_id in self.policy.worker_ids:
-            if worker_id not in seen:
-                log.warning("worker_gone worker_id=%s", worker_id)
-                self.forget(worker_id)
 
     def forget(self, worker_id: str) -> None:
         """A dead or departed worker: its requests wait again, its keys and per-worker state go."""
