@@ -1,6 +1,7 @@
 """Prefix caching and cache-aware placement, side by side in one run, through the whole system.
 
     .venv/bin/python benchmarks/prefix_cache.py [--conversations 8] [--turns 8] [--quick]
+    .venv/bin/python benchmarks/prefix_cache.py --by-turns 2,3,4,8
 
 Each configuration is `iterserve up` as a user runs it (real gateway, Redis, scheduler, workers
 and model), driven by `iterserve bench` with the same seeded workload:
@@ -13,7 +14,9 @@ and model), driven by `iterserve bench` with the same seeded workload:
    blocks hold about half the conversations' histories), where what one worker caches is what the
    other does not have to (--only-pressured --rounds N: only these, N pairs per size, written to
    prefix_cache_pressured.{json,md});
-4. system-prompt, one worker: caching on against off.
+4. system-prompt, one worker: caching on against off;
+5. (--by-turns L1,L2,...: only these) the two-worker pair on conversations of each length, about
+   conversations x turns turns in all per run, written to prefix_cache_turns.{json,md}.
 Writes benchmarks/results/prefix_cache.json and .md (the ratios first). This machine is shared
 and noisy: the ratios are what to read, each pair measured back to back.
 """
@@ -136,6 +139,46 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
     print("\n".join(lines))
 
 
+def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
+    """The two placements (default KV pools) on conversations of each length, pair after pair, with
+    about `requests` turns in all each: how the hit-rate ratio depends on how long conversations are."""
+    runs = []
+    for turns in turn_counts:
+        conversations = max(1, requests // turns)
+        workload = multiturn_workload(turns)
+        pair = {placement: run(f"multiturn, {turns} turns, 2 workers, {placement}", 2, ("--placement", placement),
+                               workload, conversations, 8)
+                for placement in ("cache-aware", "least-loaded")}
+        runs.append({"turns": turns, "conversations": conversations, **pair})
+    command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
+    workload = multiturn_workload(1)
+    lines = ["# Cache-aware against least-loaded placement by conversation length", "",
+             f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, CPU, SmolLM2-135M, 2 workers, default KV "
+             f"pools; each turn a new user message of {workload.input_range[0]}-{workload.input_range[1]} tokens after "
+             f"{workload.think_time:g} s mean think time, answers of {workload.output_range[0]}-"
+             f"{workload.output_range[1]} tokens; about {requests} turns in all per run at concurrency 8; load "
+             f"gap: the largest difference in running requests between the workers, sampled every 0.2 s, against "
+             f"--placement-slack {SLACK})", "",
+             "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
+             "2+ ms cache-aware / least-loaded | ratio (lower) | load gap |", "|---|---|---|---|---|---|---|"]
+    for pair in runs:
+        aware, least = pair["cache-aware"], pair["least-loaded"]
+        lines.append(f"| {pair['turns']} | {pair['conversations']} | {100 * aware['hit_rate']:.1f}% / "
+                     f"{100 * least['hit_rate']:.1f}% | {ratio(aware['hit_rate'], least['hit_rate']) or 0:.2f}x | "
+                     f"{aware['ttft_later_turns_p50_ms']:.0f} / {least['ttft_later_turns_p50_ms']:.0f} | "
+                     f"{ratio(least['ttft_later_turns_p50_ms'], aware['ttft_later_turns_p50_ms']) or 0:.2f}x | "
+                     f"{aware['largest_running_gap']} / {least['largest_running_gap']} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefix_cache_turns.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
+    (RESULTS / "prefix_cache_turns.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def multiturn_workload(turns: int) -> WorkloadConfig:
+    """Every multiturn run's workload."""
+    return WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=turns, think_time=1.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=8)
@@ -147,17 +190,22 @@ def main() -> None:
                         help="run only the pressured two-worker pairs, --rounds times each, and write "
                              "prefix_cache_pressured.{json,md}")
     parser.add_argument("--rounds", type=int, default=1, help="--only-pressured: pairs per pool size")
+    parser.add_argument("--by-turns", default="",
+                        help="only the two-worker pair on conversations of these lengths (e.g. 2,3,4,8), about 64 "
+                             "turns in all per run, written to prefix_cache_turns.{json,md}")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
         args.conversations, args.turns, args.users = 4, 3, 8
-    multiturn = WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=args.turns,
-                               think_time=1.0)
+    multiturn = multiturn_workload(args.turns)
     shared = WorkloadConfig(name="system-prompt", input_range=(16, 48), output_range=(8, 24), system_prompt_tokens=384)
     pools = [int(blocks) for blocks in args.pressure_kv_blocks.split(",") if blocks]
     started = time.time()
     if args.only_pressured:
         write_pressured(pools, args.rounds, multiturn, args.conversations, started)
+        return
+    if args.by_turns:
+        write_turns([int(turns) for turns in args.by_turns.split(",")], args.conversations * args.turns, started)
         return
     runs = {}
     for blocks in pools:

@@ -18,7 +18,7 @@ from services.gateway.store import Store
 from services.scheduler.liveness import WorkerLiveness
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.redis_link import RedisLink
-from services.scheduler.service import SchedulerService, run_scheduler
+from services.scheduler.service import run_scheduler
 from shared import keys
 from shared.config import Settings
 from shared.messages import (
