@@ -92,6 +92,17 @@ def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
 
+def pair_cells(pair: dict) -> str:
+    """A cache-aware / least-loaded pair's table cells: hit rates and their ratio, time to first token
+    of later turns and its ratio, largest load gaps."""
+    aware, least = pair["cache-aware"], pair["least-loaded"]
+    return (f"{100 * aware['hit_rate']:.1f}% / {100 * least['hit_rate']:.1f}% | "
+            f"{ratio(aware['hit_rate'], least['hit_rate']) or 0:.2f}x | "
+            f"{aware['ttft_later_turns_p50_ms']:.0f} / {least['ttft_later_turns_p50_ms']:.0f} | "
+            f"{ratio(least['ttft_later_turns_p50_ms'], aware['ttft_later_turns_p50_ms']) or 0:.2f}x | "
+            f"{aware['largest_running_gap']} / {least['largest_running_gap']} |")
+
+
 def run_pressured(placement: str, blocks: int, workload: WorkloadConfig, conversations: int) -> dict:
     """Two workers of `blocks` KV blocks each, at concurrency 8."""
     return run(f"multiturn, 2 workers, {placement}, {blocks} KV blocks", 2,
@@ -115,13 +126,7 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
              f"in running requests between the workers, sampled every 0.2 s, against --placement-slack {SLACK})", "",
              "| KV blocks per worker | round | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns 2+ ms "
              "cache-aware / least-loaded | ratio (lower) | load gap |", "|---|---|---|---|---|---|---|"]
-    for pair in runs:
-        aware, least = pair["cache-aware"], pair["least-loaded"]
-        lines.append(f"| {pair['kv_blocks']} | {pair['round']} | {100 * aware['hit_rate']:.1f}% / "
-                     f"{100 * least['hit_rate']:.1f}% | {ratio(aware['hit_rate'], least['hit_rate']) or 0:.2f}x | "
-                     f"{aware['ttft_later_turns_p50_ms']:.0f} / {least['ttft_later_turns_p50_ms']:.0f} | "
-                     f"{ratio(least['ttft_later_turns_p50_ms'], aware['ttft_later_turns_p50_ms']) or 0:.2f}x | "
-                     f"{aware['largest_running_gap']} / {least['largest_running_gap']} |")
+    lines += [f"| {pair['kv_blocks']} | {pair['round']} | {pair_cells(pair)}" for pair in runs]
     for blocks in pools:
         pairs = [pair for pair in runs if pair["kv_blocks"] == blocks]
 
@@ -161,13 +166,7 @@ def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
              f"--placement-slack {SLACK})", "",
              "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
              "2+ ms cache-aware / least-loaded | ratio (lower) | load gap |", "|---|---|---|---|---|---|---|"]
-    for pair in runs:
-        aware, least = pair["cache-aware"], pair["least-loaded"]
-        lines.append(f"| {pair['turns']} | {pair['conversations']} | {100 * aware['hit_rate']:.1f}% / "
-                     f"{100 * least['hit_rate']:.1f}% | {ratio(aware['hit_rate'], least['hit_rate']) or 0:.2f}x | "
-                     f"{aware['ttft_later_turns_p50_ms']:.0f} / {least['ttft_later_turns_p50_ms']:.0f} | "
-                     f"{ratio(least['ttft_later_turns_p50_ms'], aware['ttft_later_turns_p50_ms']) or 0:.2f}x | "
-                     f"{aware['largest_running_gap']} / {least['largest_running_gap']} |")
+    lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)}" for pair in runs]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prefix_cache_turns.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
     (RESULTS / "prefix_cache_turns.md").write_text("\n".join(lines) + "\n")
