@@ -888,7 +888,7 @@ def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_
                     for _, line in cluster.log_events("scheduler", "worker_down"))
         if down_seconds == 0:  # no heartbeat key expired: nothing moved, nothing computed twice
             # (On failure: the scheduler's lines about workers say which path moved them.)
-            events = r" (worker_(dead|gone|restarted|down|up|reset|cache_reset)|plan_stalled) "
+            events = r" (worker_(dead|gone|unlisted|restarted|down|up|reset|cache_reset)|plan_stalled) "
             workers_seen = [line for line in cluster.log("scheduler").splitlines() if re.search(events, line)]
             assert (declared_dead, moved, recomputed) == (0, 0, 0), (declared_dead, moved, recomputed, workers_seen)
         else:
