@@ -204,6 +204,7 @@ class SchedulerInfo(Frozen):
     waiting_tokens: int = 0  # prompt (and rebuilt output) tokens of the waiting requests: gateway admission
     cpu_seconds: float = 0.0  # the scheduler process's CPU time since it started
     phase_cpu_seconds: dict[str, float] = {}  # of it, by phase (services/scheduler/service.py PHASES)
+    round_trips: int = 0  # Redis round trips of its loop since it started (each sends writes and reads inputs)
     # Prefix caching: prompt (and rebuilt output) tokens looked up at admissions, and found cached.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0

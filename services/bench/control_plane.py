@@ -171,6 +171,8 @@ def measure(before: dict, after: dict, records: list[IterationRecord]) -> dict:
         "scheduler_cpu_share": cpu / wall if wall > 0 else float("nan"),
         "scheduler_cpu_us_per_iteration": cpu * per_iteration,
         "phase_cpu_us_per_iteration": {phase: seconds * per_iteration for phase, seconds in phases.items()},
+        "round_trips_per_iteration": ((scheduler_after.get("round_trips", 0) - scheduler_before.get("round_trips", 0))
+                                      / iterations if iterations else float("nan")),
         "gap_ms_per_iteration": ((len(busy) * wall - busy_total) / iterations * 1000) if iterations else float("nan"),
         "mean_batch": sum(batch) / len(batch) if batch else float("nan"),
         "mean_decode_step_ms": (sum(record.step_seconds for record in decode_records) / len(decode_records) * 1000
@@ -259,8 +261,8 @@ def markdown(report: dict) -> str:
         f"measured over {report['sizes']['seconds']:g} s after a {report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
         "| profile (emulated) | step ms | workers | batch | busy min | busy mean | plans/s | scheduler CPU | "
-        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | gap ms / it |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | gap ms / it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         phases = row["phase_cpu_us_per_iteration"]
@@ -269,7 +271,7 @@ def markdown(report: dict) -> str:
             f"{row['busy_min']:.2f} | {row['busy_mean']:.2f} | {row['plans_per_s']:.0f} | "
             f"{row['scheduler_cpu_share']:.0%} | {row['scheduler_cpu_us_per_iteration']:.0f} | "
             + " | ".join(f"{phases[phase]:.0f}" for phase in PHASES)
-            + f" | {_f(row['gap_ms_per_iteration'], 2)} |")
+            + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row['gap_ms_per_iteration'], 2)} |")
     lines += ["", "Largest fleet one scheduler keeps every worker at least 95% busy:", ""]
     for profile, fleet in report["largest_busy_fleet"].items():
         lines.append(f"- {profile} (emulated): {fleet or 'none of the fleets measured'}")
@@ -286,7 +288,8 @@ def markdown(report: dict) -> str:
         "",
         "Columns: step ms = mean emulated decode step; busy = share of wall time inside steps (per worker, from "
         "/status busy_seconds); plans/s = worker-iterations through the scheduler; scheduler CPU = its CPU time over "
-        "wall time; CPU µs / it = its CPU time per worker-iteration, then by phase; gap ms / it = a worker's mean "
+        "wall time; CPU µs / it = its CPU time per worker-iteration, then by phase; round trips / it = its Redis "
+        "round trips per worker-iteration (one each: no result read with another); gap ms / it = a worker's mean "
         "time between steps.",
         "",
     ]

@@ -96,6 +96,7 @@ class SchedulerService:
         self.last_iteration_at = 0.0
         self.iterations = 0
         self.phase_cpu = dict.fromkeys(PHASES, 0.0)  # CPU seconds of each phase, since the start
+        self.round_trips = 0
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._loaded = False
         self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
@@ -152,6 +153,7 @@ class SchedulerService:
         started = time.process_time()
         entries = await self.link.round_trip(block_ms)
         self.phase_cpu["redis"] += time.process_time() - started
+        self.round_trips += 1
         self.postprocess(entries)
 
     # Schedule: liveness, loading, plans
@@ -284,7 +286,7 @@ class SchedulerService:
             last_iteration_at=self.last_iteration_at, iterations=self.iterations,
             waiting=self.policy.waiting_count, running=self.policy.running_count,
             waiting_tokens=self.policy.waiting_tokens, cpu_seconds=time.process_time(),
-            phase_cpu_seconds=dict(self.phase_cpu),
+            phase_cpu_seconds=dict(self.phase_cpu), round_trips=self.round_trips,
             prefix_cache_queried_tokens=self.policy.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.policy.prefix_cache_hit_tokens,
             kv_blocks=self.policy.kv_blocks_by_worker(),
