@@ -452,11 +452,12 @@ def _point_for_readme() -> dict:
 # The control-plane experiment (emulated workers)
 
 
-def _snapshot(at: float, busy: list[float], iterations: int, cpu: float, phases: dict[str, float]) -> dict:
+def _snapshot(at: float, busy: list[float], iterations: int, cpu: float, phases: dict[str, float],
+              round_trips: int = 0) -> dict:
     return {"workers": [{"id": f"w{index}", "heartbeat_at": at, "busy_seconds": seconds, "executor": "emulated",
                          "hardware": "h100-llama3-8b"} for index, seconds in enumerate(busy)],
             "scheduler": {"heartbeat_at": at, "iterations": iterations, "cpu_seconds": cpu,
-                          "phase_cpu_seconds": phases}}
+                          "phase_cpu_seconds": phases, "round_trips": round_trips}}
 
 
 def test_control_plane_figures_from_two_status_snapshots():
@@ -464,9 +465,11 @@ def test_control_plane_figures_from_two_status_snapshots():
     from shared.messages import IterationRecord
 
     zero = dict.fromkeys(PHASES, 0.0)
-    before = _snapshot(100.0, [5.0, 7.0], iterations=1000, cpu=2.0, phases=zero)
-    # 10 s later: worker 0 was in steps 9.6 s, worker 1 8.0 s; 2000 worker-iterations, 3 s of scheduler CPU
-    after = _snapshot(110.0, [14.6, 15.0], iterations=3000, cpu=5.0, phases=zero | {"plan": 1.0, "fanout": 0.5})
+    before = _snapshot(100.0, [5.0, 7.0], iterations=1000, cpu=2.0, phases=zero, round_trips=900)
+    # 10 s later: worker 0 was in steps 9.6 s, worker 1 8.0 s; 2000 worker-iterations, 3 s of scheduler CPU,
+    # 1500 round trips
+    after = _snapshot(110.0, [14.6, 15.0], iterations=3000, cpu=5.0, phases=zero | {"plan": 1.0, "fanout": 0.5},
+                      round_trips=2400)
     records = [IterationRecord(iteration=index, worker_id="w0", plan_id=index, request_ids=("a",) * batch, joined=(),
                                finished=(), prefill_tokens=0, decode_tokens=batch, started_at=0, finished_at=0,
                                step_seconds=step)
@@ -481,6 +484,7 @@ def test_control_plane_figures_from_two_status_snapshots():
     # 2 workers x 10 s of wall time, 17.6 s in steps: 2.4 s between steps over 2000 iterations
     assert figures["gap_ms_per_iteration"] == pytest.approx(1.2)
     assert figures["mean_batch"] == 48 and figures["mean_decode_step_ms"] == pytest.approx(5.0)
+    assert figures["round_trips_per_iteration"] == pytest.approx(0.75)
     rows = [{"profile": "p", "workers": workers, "busy_min": busy}
             for workers, busy in [(1, 0.99), (2, 0.96), (4, 0.9), (8, 0.97)]]
     assert largest_busy_fleet(rows, "p") == 8 and largest_busy_fleet(rows, "other") == 0
@@ -490,6 +494,7 @@ def test_control_plane_figures_from_two_status_snapshots():
               "pool": [{"profile": "h100-llama3-8b", "workers": 2, **figures}]}
     text = markdown(report)
     assert "EMULATED" in text and "| h100-llama3-8b | 5.00 | 2 | 48.0 | 0.80 | 0.88 | 200 | 30% | 1500 | 500 |" in text
+    assert "| 0.75 | 1.20 |" in text  # round trips per worker-iteration, then the gap
     assert "2 plans in flight per worker" in text
 
 
