@@ -502,6 +502,16 @@ async def test_a_live_worker_missing_from_the_workers_set_keeps_its_requests_unt
     assert policy.worker_ids == () and policy.waiting_count == 1
     assert "worker_gone worker_id=w1" in caplog.text and "worker_dead" not in caplog.text
 
+    # Listed without a heartbeat key: it died. A member that is not UTF-8 is dropped from the set.
+    await redis_client.set(keys.worker_heartbeat("w2"), encode(info.model_copy(update={"worker_id": "w2"})),
+                           px=60_000)
+    await redis_client.sadd(link.keys.workers, "w2", b"\xff")
+    await liveness.poll()
+    assert policy.worker_ids == ("w2",) and "malformed_worker_id" in caplog.text
+    await redis_client.delete(keys.worker_heartbeat("w2"))
+    await liveness.poll()
+    assert policy.worker_ids == () and "worker_dead worker_id=w2" in caplog.text
+
 
 async def test_a_worker_that_lost_a_request_answers_unknown_request_and_the_scheduler_rebuilds_it(
         redis_client, settings):

@@ -20,6 +20,27 @@ from shared.wire import WireError, decode
 
 log = logging.getLogger("iterserve.scheduler")
 
+# The workers set, and the heartbeat of every worker it lists or the scheduler knows (ARGV[2..]), read
+# at one instant (a script runs whole): a departing worker leaves the set and then deletes its key,
+# so no poll sees it listed without its key (a death) when it left. A worker the scheduler knows that
+# is not listed (a listing lost) is alive while its key is there; its own next beat lists it again.
+# Reply: the number listed, then the ids (listed first) and their heartbeats (nil: no key).
+# (Standalone Redis: the heartbeat keys are not declared, as TOKENS_SCRIPT's streams are not.)
+LIVENESS_SCRIPT = """
+local ids = redis.call('SMEMBERS', KEYS[1])
+local listed, asked = #ids, {}
+for _, id in ipairs(ids) do asked[id] = true end
+for i = 2, #ARGV do
+  if not asked[ARGV[i]] then
+    asked[ARGV[i]] = true
+    ids[#ids + 1] = ARGV[i]
+  end
+end
+local values = {}
+for i, id in ipairs(ids) do values[i] = redis.call('GET', ARGV[1] .. id) end
+return {listed, ids, values}
+"""
+
 
 class WorkerLiveness:
     def __init__(self, link: RedisLink, policy: SchedulerPolicy, codecs: dict[str, PlanCodec],
@@ -30,31 +51,24 @@ class WorkerLiveness:
 
     async def poll(self) -> None:
         redis = self.link.redis
-        members = await bounded(redis.smembers(self.link.keys.workers), REDIS_SLACK_SECONDS)
-        worker_ids = []
-        for member in members:
+        known = sorted(self.policy.worker_ids)
+        listed, members, values = await bounded(
+            redis.eval(LIVENESS_SCRIPT, 1, self.link.keys.workers, keys.worker_heartbeat(""), *known),
+            REDIS_SLACK_SECONDS)
+        found = []  # (not listed, worker id, heartbeat)
+        for position, (member, value) in enumerate(zip(members, values, strict=True)):
             try:
-                worker_ids.append(member.decode())
+                found.append((position >= listed, member.decode(), value))
             except UnicodeDecodeError:
                 log.warning("malformed_worker_id member=%r", member[:80])
                 self.link.queue("srem", self.link.keys.workers, member)
-        worker_ids.sort()
-        listed = len(worker_ids)
-        # A worker we know that is not listed is asked about too: the heartbeat key decides whether it
-        # lives (a departing worker leaves the set first, then deletes its key; its own next beat lists
-        # a live one again).
-        worker_ids.extend(sorted(set(self.policy.worker_ids).difference(worker_ids)))
-        values = []
-        if worker_ids:
-            values = await bounded(redis.mget([keys.worker_heartbeat(worker_id) for worker_id in worker_ids]),
-                                   REDIS_SLACK_SECONDS)
-        for position, (worker_id, value) in enumerate(zip(worker_ids, values, strict=True)):
+        for unlisted, worker_id, value in sorted(found, key=lambda entry: entry[:2]):  # the listed first, by id
             if value is None:
                 if worker_id in self.policy.worker_ids:  # listed: it died; not listed: it left
-                    log.warning("%s worker_id=%s", "worker_dead" if position < listed else "worker_gone", worker_id)
+                    log.warning("%s worker_id=%s", "worker_gone" if unlisted else "worker_dead", worker_id)
                 self.forget(worker_id)
                 continue
-            if position >= listed:
+            if unlisted:
                 log.info("worker_unlisted worker_id=%s", worker_id)  # alive: its heartbeat key is there
             try:
                 info = decode(WorkerInfo, value)
