@@ -11,6 +11,11 @@ phase by phase, as the service counts them.
 
     .venv/bin/python benchmarks/scheduler_cpu.py [--batch 64] [--workers 2] [--iterations 3000]
     .venv/bin/python benchmarks/scheduler_cpu.py --round-trips 2000
+    .venv/bin/python benchmarks/scheduler_cpu.py --evict-caches 32
+
+--evict-caches MB walks a buffer of MB megabytes after every worker-iteration, untimed: what the
+other processes of a running system (workers, Redis, the gateway; on a shared host, other tenants)
+do to the caches while the scheduler sleeps between results. Its data is read from memory again.
 
 --round-trips times the one part left out, against a private redis-server: the round trip of a
 worker-iteration's writes at batch 64 (its plan, 64 token entries, its iteration record, the
@@ -35,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
 import redis.asyncio  # noqa: E402
 
 from services.launcher import free_port, wait_for_redis  # noqa: E402
@@ -78,6 +84,7 @@ class Harness:
         self.seeds: dict[str, int] = {}
         self.in_flight: dict[str, deque] = {worker_id: deque() for worker_id in self.worker_ids}
         self.stop, self.logprobs = stop, logprobs
+        self.evict = None  # a buffer walked after every worker-iteration, untimed (--evict-caches)
         self.submitted = 0
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.worker_seconds = 0.0  # the worker's side of the wire (PlanReader): reported apart
@@ -160,6 +167,9 @@ class Harness:
                                     approximate=False)
                 self.seconds["fanout"] += clock() - applied
                 self.pack_writes()
+                if self.evict is not None:
+                    self.evict.sum()  # read it all, then dirty a word of every cache line
+                    self.evict[::8] += 1.0
 
     def pack_writes(self) -> None:
         """What the round trip does with the queued writes before the socket (RedisLink.round_trip)."""
@@ -239,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop", action="store_true", help="every request has a stop string")
     parser.add_argument("--logprobs", action="store_true", help="every request asks for 5 top log-probabilities")
     parser.add_argument("--round-trips", type=int, default=0, help="time this many Redis round trips instead")
+    parser.add_argument("--evict-caches", type=float, default=0.0, metavar="MB",
+                        help="walk a buffer of this many MB after every worker-iteration, untimed")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.round_trips:
@@ -247,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
             args.batch, ", ".join(f"{way} {value:.0f} us" for way, value in timings.items())))
         return
     harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs)
+    if args.evict_caches:
+        harness.evict = np.ones(int(args.evict_caches * 2**20) // 8)
     harness.run(args.warmup)
     harness.seconds = dict.fromkeys(PHASES, 0.0)
     harness.worker_seconds = 0.0
