@@ -38,6 +38,7 @@ from services.bench.workloads import WorkloadConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SLACK = 8  # the default --placement-slack
+PLACEMENTS = ("cache-aware", "least-loaded")  # each pair: the first measured first
 
 
 class LoadGap:
@@ -88,6 +89,14 @@ def run(label: str, workers: int, server_args: tuple[str, ...], workload: Worklo
     return result
 
 
+def save(stem: str, report: dict, lines: list[str]) -> None:
+    """RESULTS/stem.json and RESULTS/stem.md, and the table on stdout."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
@@ -117,7 +126,7 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
     for round_index in range(rounds):
         for blocks in pools:
             pair = {placement: run_pressured(placement, blocks, workload, conversations)
-                    for placement in ("cache-aware", "least-loaded")}
+                    for placement in PLACEMENTS}
             runs.append({"round": round_index + 1, "kv_blocks": blocks, **pair})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
     lines = ["# Cache-aware against least-loaded placement with small KV pools", "",
@@ -137,11 +146,7 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
         ttfts = mean("cache-aware", "ttft_later_turns_p50_ms"), mean("least-loaded", "ttft_later_turns_p50_ms")
         lines.append(f"| {blocks} | mean of {len(pairs)} | {100 * hits[0]:.1f}% / {100 * hits[1]:.1f}% | "
                      f"{hits[0] / hits[1]:.2f}x | {ttfts[0]:.0f} / {ttfts[1]:.0f} | {ttfts[1] / ttfts[0]:.2f}x | - |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_cache_pressured.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1)
-                                                         + "\n")
-    (RESULTS / "prefix_cache_pressured.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save("prefix_cache_pressured", {"command": command, "runs": runs}, lines)
 
 
 def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
@@ -153,7 +158,7 @@ def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
         workload = multiturn_workload(turns)
         pair = {placement: run(f"multiturn, {turns} turns, 2 workers, {placement}", 2, ("--placement", placement),
                                workload, conversations, 8)
-                for placement in ("cache-aware", "least-loaded")}
+                for placement in PLACEMENTS}
         runs.append({"turns": turns, "conversations": conversations, **pair})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
     workload = multiturn_workload(1)
@@ -167,10 +172,7 @@ def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
              "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
              "2+ ms cache-aware / least-loaded | ratio (lower) | load gap |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)}" for pair in runs]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_cache_turns.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
-    (RESULTS / "prefix_cache_turns.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save("prefix_cache_turns", {"command": command, "runs": runs}, lines)
 
 
 def multiturn_workload(turns: int) -> WorkloadConfig:
@@ -208,7 +210,7 @@ def main() -> None:
         return
     runs = {}
     for blocks in pools:
-        for placement in ("cache-aware", "least-loaded"):
+        for placement in PLACEMENTS:
             runs[f"pressured_{blocks}_{placement.replace('-', '_')}"] = run_pressured(placement, blocks, multiturn,
                                                                                       args.conversations)
     runs = {
@@ -246,8 +248,6 @@ def main() -> None:
     }
     report = {"command": " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]]),
               "seconds": round(time.time() - started), "placement_slack": SLACK, "ratios": ratios, "runs": runs}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_cache.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# Prefix caching and cache-aware placement", "", f"`.venv/bin/python {report['command']}` "
              f"({report['seconds']} s, CPU, SmolLM2-135M; ratios from back-to-back runs of the same seeded workload)",
              "", "| ratio | value |", "|---|---|"]
@@ -260,8 +260,7 @@ def main() -> None:
                      f"{100 * result['hit_rate']:.1f}% | {result['ttft_p50_ms']:.0f} | "
                      f"{'-' if later != later else f'{later:.0f}'} | "
                      f"{'-' if result['largest_running_gap'] is None else result['largest_running_gap']} |")
-    (RESULTS / "prefix_cache.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save("prefix_cache", report, lines)
 
 
 if __name__ == "__main__":

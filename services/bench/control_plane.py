@@ -171,8 +171,8 @@ def measure(before: dict, after: dict, records: list[IterationRecord]) -> dict:
         "scheduler_cpu_share": cpu / wall if wall > 0 else float("nan"),
         "scheduler_cpu_us_per_iteration": cpu * per_iteration,
         "phase_cpu_us_per_iteration": {phase: seconds * per_iteration for phase, seconds in phases.items()},
-        "round_trips_per_iteration": ((scheduler_after.get("round_trips", 0) - scheduler_before.get("round_trips", 0))
-                                      / iterations if iterations else float("nan")),
+        "round_trips_per_iteration": ((scheduler_after["round_trips"] - scheduler_before["round_trips"]) / iterations
+                                      if iterations else float("nan")),
         "gap_ms_per_iteration": ((len(busy) * wall - busy_total) / iterations * 1000) if iterations else float("nan"),
         "mean_batch": sum(batch) / len(batch) if batch else float("nan"),
         "mean_decode_step_ms": (sum(record.step_seconds for record in decode_records) / len(decode_records) * 1000
