@@ -24,7 +24,8 @@ through redis-py's pipeline (how the link sent them before): CPU time per round 
 
 Each worker keeps `pipeline_depth` plans in flight and a pool of 1.5x its batch, as the
 control-plane experiment does (32-token prompts, 256 output tokens, greedy, no stop strings;
---stop adds a stop string to every request, --logprobs asks for 5 top log-probabilities).
+--stop [STRING] gives every request a stop string (by default one that never appears; " the" makes
+most tokens search), --logprobs asks for 5 top log-probabilities).
 """
 
 import argparse
@@ -66,7 +67,7 @@ def token_for(seed: int, output_index: int) -> int:
 
 
 class Harness:
-    def __init__(self, batch: int, workers: int, depth: int, stop: bool, logprobs: bool) -> None:
+    def __init__(self, batch: int, workers: int, depth: int, stop: str | None, logprobs: bool) -> None:
         self.tokenizer = Tokenizer.load()
         settings = Settings()  # the defaults `iterserve up` runs with (prefix caching, cache-aware placement)
         self.policy = SchedulerPolicy(
@@ -99,7 +100,7 @@ class Harness:
             seed = self.submitted
             request_id = f"{seed:032x}"
             prompt = tuple(token_for(seed, -1 - index) for index in range(PROMPT_TOKENS))
-            sampling = SamplingParams(max_tokens=OUTPUT_TOKENS, seed=seed, stop=("\u2603",) if self.stop else (),
+            sampling = SamplingParams(max_tokens=OUTPUT_TOKENS, seed=seed, stop=(self.stop,) if self.stop else (),
                                       logprobs=5 if self.logprobs else -1)
             record = RequestRecord(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                    arrival_time=time.time())
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=2, help="plans in flight per worker (--pipeline-depth)")
     parser.add_argument("--iterations", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--stop", action="store_true", help="every request has a stop string")
+    parser.add_argument("--stop", nargs="?", const="\u2603", default=None,
+                        help="every request has this stop string (alone: one that never appears)")
     parser.add_argument("--logprobs", action="store_true", help="every request asks for 5 top log-probabilities")
     parser.add_argument("--round-trips", type=int, default=0, help="time this many Redis round trips instead")
     parser.add_argument("--evict-caches", type=float, default=0.0, metavar="MB",

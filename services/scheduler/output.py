@@ -38,6 +38,11 @@ class OutputText:
     stream_key: str  # its token stream's key
     emitted: int = 0  # characters of detokenizer.text already sent in TokenEvents
     checked: int = 0  # characters already searched for stop strings
+    # The first characters of its stop strings: a piece holding none of them, after text of which
+    # nothing is held back, can neither end a stop string nor begin one (any stop string ending in
+    # it would have begun in it: text before it began none, or some would be held back), so the
+    # token needs no search (publish_tokens); most tokens of most requests with stop strings.
+    stop_starts: frozenset[str] = frozenset()
 
 
 class BoundedSet:
@@ -75,7 +80,8 @@ class RequestOutputs:
     def start(self, record: RequestRecord, output_token_ids: list[int], emitted_text: int) -> str:
         """A request's output so far (loaded from Redis, or empty); returns its text."""
         output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids),
-                            keys.token_stream(record.request_id))
+                            keys.token_stream(record.request_id),
+                            stop_starts=frozenset(stop[0] for stop in record.sampling.stop if stop))
         for token_id in output_token_ids:
             output.detokenizer.push(token_id)
         output.emitted = emitted_text
@@ -90,8 +96,9 @@ class RequestOutputs:
 
     def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str) -> None:
         """A result's tokens, in order: each one's text and token entry (and its request's end). The
-        common case (nothing held back, nothing ends, no log-probabilities: every step of most
-        requests) is inline here, the rest in _publish; one call per result, not per token."""
+        common case (nothing held back, nothing ends, no stop string can end or begin in the piece,
+        no log-probabilities: every step of most requests) is inline here, the rest in _publish; one
+        call per result, not per token."""
         holding = self.holding
         if holding.enabled:  # the request-level baseline: its writes wait for its batch
             for outcome in outcomes:
@@ -103,8 +110,10 @@ class RequestOutputs:
             output = outputs[request_id]
             detokenizer = output.detokenizer
             piece = detokenizer.push(token_id)
-            if finish_reason is not None or state.sampling.stop or output.emitted != detokenizer.length - len(piece):
-                self._publish(outcome, output)  # it ends, or text is held back
+            stop_starts = output.stop_starts
+            if finish_reason is not None or output.emitted != detokenizer.length - len(piece) or (
+                    stop_starts and not stop_starts.isdisjoint(piece)):
+                self._publish(outcome, output)  # it ends, text is held back, or a stop string may end or begin
                 continue
             output.emitted = detokenizer.length
             if plain and logprob is None:
