@@ -397,6 +397,9 @@ def held_back_length(text: str, stop: Sequence[str]) -> int:
     """How many trailing characters of text could begin a stop string, so must not be streamed yet."""
     longest = 0
     for stop_string in stop:
+        # (such a tail begins with the stop string's first character: most texts hold none near their end)
+        if not stop_string or text.find(stop_string[0], max(0, len(text) - len(stop_string) + 1)) == -1:
+            continue
         for length in range(min(len(stop_string) - 1, len(text)), longest, -1):
             if text.endswith(stop_string[:length]):
                 longest = length

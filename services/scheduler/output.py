@@ -145,6 +145,10 @@ class RequestOutputs:
                 end -= held_back_length(text, stop)  # might be the start of a stop string
         piece = text[output.emitted : end] if end > output.emitted else ""
         output.emitted = max(output.emitted, end)
+        if finish is None and outcome.logprob is None and not self.holding.enabled:  # (no keyword arguments)
+            self.link.queue_token(request_id, output.stream_key, token_entry_id(outcome.output_index),
+                                  encode_token_event(outcome.output_index, outcome.token_id, piece))
+            return
         completion_tokens = len(state.output_token_ids)
         self.token_event(request_id, outcome.output_index, outcome.token_id, piece, finish_reason=finish,
                          prompt_tokens=len(state.prompt_token_ids) if finish else 0,
