@@ -20,7 +20,9 @@ do to the caches while the scheduler sleeps between results. Its data is read fr
 --round-trips times the one part left out, against a private redis-server: the round trip of a
 worker-iteration's writes at batch 64 (its plan, 64 token entries, its iteration record, the
 heartbeat) and the XREAD, sent by RedisLink.round_trip and, alternating with it, the same commands
-through redis-py's pipeline (how the link sent them before): CPU time per round trip of each.
+through redis-py's pipeline (how the link sent them before): CPU time per round trip of each, and
+the redis-server's own CPU time per round trip (the same commands either way: on the scheduler's
+path, since the round trip waits for its replies).
 
 Each worker keeps `pipeline_depth` plans in flight and a pool of 1.5x its batch, as the
 control-plane experiment does (32-token prompts, 256 output tokens, greedy, no stop strings;
@@ -31,6 +33,7 @@ most tokens search), --logprobs asks for 5 top log-probabilities).
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -182,13 +185,15 @@ class Harness:
         self.seconds["pack"] += time.process_time() - started
 
 
-async def time_round_trips(url: str, count: int, batch: int) -> dict[str, float]:
-    """CPU microseconds per round trip: RedisLink's own exchange, and redis-py's pipeline."""
+async def time_round_trips(url: str, count: int, batch: int, server_seconds) -> dict[str, float]:
+    """CPU microseconds per round trip: RedisLink's own exchange, redis-py's pipeline, and the
+    redis-server's own (server_seconds(): its CPU time so far) for the same commands."""
     client = connect(url)
     link = RedisLink(client, on_write_failed=lambda write, error: print("write failed:", write, error))
     await client.xadd(link.keys.results, {"m": b"r" * 650})  # every XREAD reads back one result
     payload = msgpack.packb([1, 2, "word"])
     seconds = {"link": 0.0, "redis-py pipeline": 0.0}
+    server_started = server_seconds()
     for index in range(count):
         link.queue("xadd", keys.plan_stream("w0"), {"m": b"p" * 450}, maxlen=1000, approximate=True)
         for row in range(batch):
@@ -211,9 +216,16 @@ async def time_round_trips(url: str, count: int, batch: int) -> dict[str, float]
             seconds["redis-py pipeline"] += time.process_time() - started
         if not entries:
             raise RuntimeError("the round trip read nothing back")
+    server = server_seconds() - server_started  # (both ways send the same commands)
     await client.flushdb()
     await client.aclose()
-    return {way: 1e6 * total / (count / 2) for way, total in seconds.items()}
+    return {**{way: 1e6 * total / (count / 2) for way, total in seconds.items()}, "redis-server": 1e6 * server / count}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def round_trips(count: int, batch: int) -> dict[str, float]:
@@ -230,7 +242,7 @@ def round_trips(count: int, batch: int) -> dict[str, float]:
             from uvloop import run  # as the scheduler runs
         except ImportError:
             run = asyncio.run
-        return run(time_round_trips(url, count, batch))
+        return run(time_round_trips(url, count, batch, lambda: process_cpu_seconds(process.pid)))
     finally:
         process.terminate()
         try:
