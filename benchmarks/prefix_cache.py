@@ -151,7 +151,10 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
 
 def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
     """The two placements (default KV pools) on conversations of each length, pair after pair, with
-    about `requests` turns in all each: how the hit-rate ratio depends on how long conversations are."""
+    about `requests` turns in all each: how the hit-rate ratio depends on how long conversations are.
+    Then the same conversations on one worker: every turn goes where its history is, so its hit
+    rate is the most any placement of two workers can reach while the pools hold every history
+    (the default pools do), and that over least-loaded's is the largest hit-rate ratio possible."""
     runs = []
     for turns in turn_counts:
         conversations = max(1, requests // turns)
@@ -159,6 +162,8 @@ def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
         pair = {placement: run(f"multiturn, {turns} turns, 2 workers, {placement}", 2, ("--placement", placement),
                                workload, conversations, 8)
                 for placement in PLACEMENTS}
+        pair["one worker"] = run(f"multiturn, {turns} turns, 1 worker, prefix caching", 1, (), workload,
+                                 conversations, 8)
         runs.append({"turns": turns, "conversations": conversations, **pair})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
     workload = multiturn_workload(1)
@@ -170,8 +175,12 @@ def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
              f"gap: the largest difference in running requests between the workers, sampled every 0.2 s, against "
              f"--placement-slack {SLACK})", "",
              "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
-             "2+ ms cache-aware / least-loaded | ratio (lower) | load gap |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)}" for pair in runs]
+             "2+ ms cache-aware / least-loaded | ratio (lower) | load gap | hit rate on one worker (the most any "
+             "placement reaches) | its ratio over least-loaded (the largest possible) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)} "
+              f"{100 * pair['one worker']['hit_rate']:.1f}% | "
+              f"{ratio(pair['one worker']['hit_rate'], pair['least-loaded']['hit_rate']) or 0:.2f}x |" for pair in runs]
     save("prefix_cache_turns", {"command": command, "runs": runs}, lines)
 
 
