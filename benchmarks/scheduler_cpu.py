@@ -33,7 +33,6 @@ most tokens search), --logprobs asks for 5 top log-probabilities).
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import redis.asyncio  # noqa: E402
 
+from services.bench.server import process_cpu_seconds  # noqa: E402
 from services.launcher import free_port, wait_for_redis  # noqa: E402
 from services.scheduler.held_results import ResultHolding  # noqa: E402
 from services.scheduler.output import RequestOutputs  # noqa: E402
@@ -220,12 +220,6 @@ async def time_round_trips(url: str, count: int, batch: int, server_seconds) -> 
     await client.flushdb()
     await client.aclose()
     return {**{way: 1e6 * total / (count / 2) for way, total in seconds.items()}, "redis-server": 1e6 * server / count}
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """A process's user and system CPU time so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def round_trips(count: int, batch: int) -> dict[str, float]:

@@ -26,6 +26,12 @@ STOP_TIMEOUT_SECONDS = 40
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (Linux: /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def _get_json(url: str, timeout: float = 3.0) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
@@ -143,8 +149,7 @@ class ServerProcess:
         totals: dict[str, float] = {}
         for pid, name in self.components().items():
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                seconds = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+                seconds = process_cpu_seconds(pid)
             except (OSError, ValueError, IndexError):
                 continue
             totals[name] = totals.get(name, 0.0) + seconds
