@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/prefix_cache.py [--conversations 8] [--turns 8] [--quick]
     .venv/bin/python benchmarks/prefix_cache.py --by-turns 2,3,4,8
+    .venv/bin/python benchmarks/prefix_cache.py --by-turns 3,4,8 --think-time 10 --concurrency 24 \
+        --conversations 32 --turns 4
 
 Each configuration is `iterserve up` as a user runs it (real gateway, Redis, scheduler, workers
 and model), driven by `iterserve bench` with the same seeded workload:
@@ -149,29 +151,34 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
     save("prefix_cache_pressured", {"command": command, "runs": runs}, lines)
 
 
-def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
+def write_turns(turn_counts: list[int], requests: int, started: float, think_time: float = 1.0,
+                concurrency: int = 8) -> None:
     """The two placements (default KV pools) on conversations of each length, pair after pair, with
     about `requests` turns in all each: how the hit-rate ratio depends on how long conversations are.
     Then the same conversations on one worker: every turn goes where its history is, so its hit
     rate is the most any placement of two workers can reach while the pools hold every history
-    (the default pools do), and that over least-loaded's is the largest hit-rate ratio possible."""
+    (the default pools do), and that over least-loaded's is the largest hit-rate ratio possible.
+    A think time other than 1 s, or a concurrency other than 8, writes prefix_cache_turns_think<S>s_c<N>:
+    the longer users pause, the less the load when a turn arrives depends on where their last one
+    ran, so the more least-loaded places turns by chance (more conversations at once keep the load)."""
     runs = []
     for turns in turn_counts:
         conversations = max(1, requests // turns)
-        workload = multiturn_workload(turns)
+        workload = multiturn_workload(turns, think_time)
         pair = {placement: run(f"multiturn, {turns} turns, 2 workers, {placement}", 2, ("--placement", placement),
-                               workload, conversations, 8)
+                               workload, conversations, concurrency)
                 for placement in PLACEMENTS}
         pair["one worker"] = run(f"multiturn, {turns} turns, 1 worker, prefix caching", 1, (), workload,
-                                 conversations, 8)
+                                 conversations, concurrency)
         runs.append({"turns": turns, "conversations": conversations, **pair})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
-    workload = multiturn_workload(1)
+    workload = multiturn_workload(1, think_time)
     lines = ["# Cache-aware against least-loaded placement by conversation length", "",
              f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, CPU, SmolLM2-135M, 2 workers, default KV "
              f"pools; each turn a new user message of {workload.input_range[0]}-{workload.input_range[1]} tokens after "
              f"{workload.think_time:g} s mean think time, answers of {workload.output_range[0]}-"
-             f"{workload.output_range[1]} tokens; about {requests} turns in all per run at concurrency 8; load "
+             f"{workload.output_range[1]} tokens; about {requests} turns in all per run, {concurrency} conversations "
+             f"at a time; load "
              f"gap: the largest difference in running requests between the workers, sampled every 0.2 s, against "
              f"--placement-slack {SLACK})", "",
              "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
@@ -181,12 +188,15 @@ def write_turns(turn_counts: list[int], requests: int, started: float) -> None:
     lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)} "
               f"{100 * pair['one worker']['hit_rate']:.1f}% | "
               f"{ratio(pair['one worker']['hit_rate'], pair['least-loaded']['hit_rate']) or 0:.2f}x |" for pair in runs]
-    save("prefix_cache_turns", {"command": command, "runs": runs}, lines)
+    stem = "prefix_cache_turns" if (think_time, concurrency) == (1.0, 8) else \
+        f"prefix_cache_turns_think{think_time:g}s_c{concurrency}"
+    save(stem, {"command": command, "think_time": think_time, "concurrency": concurrency, "runs": runs}, lines)
 
 
-def multiturn_workload(turns: int) -> WorkloadConfig:
+def multiturn_workload(turns: int, think_time: float = 1.0) -> WorkloadConfig:
     """Every multiturn run's workload."""
-    return WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=turns, think_time=1.0)
+    return WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=turns,
+                          think_time=think_time)
 
 
 def main() -> None:
@@ -203,6 +213,10 @@ def main() -> None:
     parser.add_argument("--by-turns", default="",
                         help="only the two-worker pair on conversations of these lengths (e.g. 2,3,4,8), about 64 "
                              "turns in all per run, written to prefix_cache_turns.{json,md}")
+    parser.add_argument("--think-time", type=float, default=1.0,
+                        help="--by-turns: mean seconds a user pauses between an answer and the next turn (default 1)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="--by-turns: conversations at a time (default 8; more keep the load with longer pauses)")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
@@ -215,7 +229,8 @@ def main() -> None:
         write_pressured(pools, args.rounds, multiturn, args.conversations, started)
         return
     if args.by_turns:
-        write_turns([int(turns) for turns in args.by_turns.split(",")], args.conversations * args.turns, started)
+        write_turns([int(turns) for turns in args.by_turns.split(",")], args.conversations * args.turns, started,
+                    args.think_time, args.concurrency)
         return
     runs = {}
     for blocks in pools:
