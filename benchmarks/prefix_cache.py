@@ -158,9 +158,10 @@ def write_turns(turn_counts: list[int], requests: int, started: float, think_tim
     Then the same conversations on one worker: every turn goes where its history is, so its hit
     rate is the most any placement of two workers can reach while the pools hold every history
     (the default pools do), and that over least-loaded's is the largest hit-rate ratio possible.
-    A think time other than 1 s, or a concurrency other than 8, writes prefix_cache_turns_think<S>s_c<N>:
-    the longer users pause, the less the load when a turn arrives depends on where their last one
-    ran, so the more least-loaded places turns by chance (more conversations at once keep the load)."""
+    A think time other than 1 s, or a concurrency other than 8, writes prefix_cache_turns_think<S>s_c<N>
+    (longer pauses, as people take, with more conversations at once to keep the load: whether the load
+    a turn meets depends on where its conversation ran, which would make least-loaded's hits more than
+    chance; benchmarks/placement_ceiling.py gives chance's)."""
     runs = []
     for turns in turn_counts:
         conversations = max(1, requests // turns)
@@ -178,9 +179,8 @@ def write_turns(turn_counts: list[int], requests: int, started: float, think_tim
              f"pools; each turn a new user message of {workload.input_range[0]}-{workload.input_range[1]} tokens after "
              f"{workload.think_time:g} s mean think time, answers of {workload.output_range[0]}-"
              f"{workload.output_range[1]} tokens; about {requests} turns in all per run, {concurrency} conversations "
-             f"at a time; load "
-             f"gap: the largest difference in running requests between the workers, sampled every 0.2 s, against "
-             f"--placement-slack {SLACK})", "",
+             f"at a time; load gap: the largest difference in running requests between the workers, sampled every "
+             f"0.2 s, against --placement-slack {SLACK})", "",
              "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
              "2+ ms cache-aware / least-loaded | ratio (lower) | load gap | hit rate on one worker (the most any "
              "placement reaches) | its ratio over least-loaded (the largest possible) |",
