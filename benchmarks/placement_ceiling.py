@@ -41,7 +41,7 @@ def hit_rate(turns: int, by_chance: bool, conversations: int = 20000, seed: int 
             hits, total = hits + blocks * BLOCK, total + prompt
             answer = rng.randint(32, 96)
             left_on[worker].append(prompt + answer - 1)  # its sampled tokens, all but the last, were fed
-            history = prompt + answer + MESSAGE_TOKENS - ASSISTANT_HEADER
+            history = prompt + answer + MESSAGE_TOKENS - ASSISTANT_HEADER  # (the answer's closing tokens)
     return hits / total
 
 
