@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/prefix_cache.py [--conversations 8] [--turns 8] [--quick]
     .venv/bin/python benchmarks/prefix_cache.py --by-turns 2,3,4,8
-    .venv/bin/python benchmarks/prefix_cache.py --by-turns 3,4,8 --think-time 10 --concurrency 24 \
+    .venv/bin/python benchmarks/prefix_cache.py --by-turns 3,4,8 --think-time 10 --concurrency 24 \\
         --conversations 32 --turns 4
 
 Each configuration is `iterserve up` as a user runs it (real gateway, Redis, scheduler, workers
@@ -41,6 +41,7 @@ from services.bench.workloads import WorkloadConfig  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SLACK = 8  # the default --placement-slack
 PLACEMENTS = ("cache-aware", "least-loaded")  # each pair: the first measured first
+THINK_TIME, CONCURRENCY = 1.0, 8  # multiturn runs: mean seconds between turns, conversations at a time
 
 
 class LoadGap:
@@ -151,17 +152,16 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
     save("prefix_cache_pressured", {"command": command, "runs": runs}, lines)
 
 
-def write_turns(turn_counts: list[int], requests: int, started: float, think_time: float = 1.0,
-                concurrency: int = 8) -> None:
+def write_turns(turn_counts: list[int], requests: int, started: float, think_time: float = THINK_TIME,
+                concurrency: int = CONCURRENCY) -> None:
     """The two placements (default KV pools) on conversations of each length, pair after pair, with
     about `requests` turns in all each: how the hit-rate ratio depends on how long conversations are.
     Then the same conversations on one worker: every turn goes where its history is, so its hit
     rate is the most any placement of two workers can reach while the pools hold every history
     (the default pools do), and that over least-loaded's is the largest hit-rate ratio possible.
-    A think time other than 1 s, or a concurrency other than 8, writes prefix_cache_turns_think<S>s_c<N>
-    (longer pauses, as people take, with more conversations at once to keep the load: whether the load
-    a turn meets depends on where its conversation ran, which would make least-loaded's hits more than
-    chance; benchmarks/placement_ceiling.py gives chance's)."""
+    Other think times or concurrencies write prefix_cache_turns_think<S>s_c<N>: longer pauses, as people
+    take them (with more conversations at once to keep the load), test whether least-loaded's hits are
+    more than chance's (benchmarks/placement_ceiling.py)."""
     runs = []
     for turns in turn_counts:
         conversations = max(1, requests // turns)
@@ -188,12 +188,12 @@ def write_turns(turn_counts: list[int], requests: int, started: float, think_tim
     lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)} "
               f"{100 * pair['one worker']['hit_rate']:.1f}% | "
               f"{ratio(pair['one worker']['hit_rate'], pair['least-loaded']['hit_rate']) or 0:.2f}x |" for pair in runs]
-    stem = "prefix_cache_turns" if (think_time, concurrency) == (1.0, 8) else \
+    stem = "prefix_cache_turns" if (think_time, concurrency) == (THINK_TIME, CONCURRENCY) else \
         f"prefix_cache_turns_think{think_time:g}s_c{concurrency}"
     save(stem, {"command": command, "think_time": think_time, "concurrency": concurrency, "runs": runs}, lines)
 
 
-def multiturn_workload(turns: int, think_time: float = 1.0) -> WorkloadConfig:
+def multiturn_workload(turns: int, think_time: float = THINK_TIME) -> WorkloadConfig:
     """Every multiturn run's workload."""
     return WorkloadConfig(name="multiturn", input_range=(16, 48), output_range=(32, 96), turns=turns,
                           think_time=think_time)
@@ -213,10 +213,12 @@ def main() -> None:
     parser.add_argument("--by-turns", default="",
                         help="only the two-worker pair on conversations of these lengths (e.g. 2,3,4,8), about 64 "
                              "turns in all per run, written to prefix_cache_turns.{json,md}")
-    parser.add_argument("--think-time", type=float, default=1.0,
-                        help="--by-turns: mean seconds a user pauses between an answer and the next turn (default 1)")
-    parser.add_argument("--concurrency", type=int, default=8,
-                        help="--by-turns: conversations at a time (default 8; more keep the load with longer pauses)")
+    parser.add_argument("--think-time", type=float, default=THINK_TIME,
+                        help=f"--by-turns: mean seconds a user pauses between an answer and the next turn "
+                             f"(default {THINK_TIME:g})")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
+                        help=f"--by-turns: conversations at a time (default {CONCURRENCY}; more keep the load with "
+                             f"longer pauses)")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if args.quick:
