@@ -12,10 +12,16 @@ phase by phase, as the service counts them.
     .venv/bin/python benchmarks/scheduler_cpu.py [--batch 64] [--workers 2] [--iterations 3000]
     .venv/bin/python benchmarks/scheduler_cpu.py --round-trips 2000
     .venv/bin/python benchmarks/scheduler_cpu.py --evict-caches 32
+    .venv/bin/python benchmarks/scheduler_cpu.py --idle-ms 5 [--spin]
 
 --evict-caches MB walks a buffer of MB megabytes after every worker-iteration, untimed: what the
 other processes of a running system (workers, Redis, the gateway; on a shared host, other tenants)
 do to the caches while the scheduler sleeps between results. Its data is read from memory again.
+
+--idle-ms MS pauses MS milliseconds after every worker-iteration, untimed, with nothing else to
+run: what the time between results costs by itself (inside the system a worker-iteration follows
+the one before after the step time over the workers). It sleeps, or with --spin runs a loop that
+touches almost no memory, to tell whether it is the idle core that costs or the time passing.
 
 --round-trips times the one part left out, against a private redis-server: the round trip of a
 worker-iteration's writes at batch 64 (its plan, 64 token entries, its iteration record, the
@@ -89,6 +95,8 @@ class Harness:
         self.in_flight: dict[str, deque] = {worker_id: deque() for worker_id in self.worker_ids}
         self.stop, self.logprobs = stop, logprobs
         self.evict = None  # a buffer walked after every worker-iteration, untimed (--evict-caches)
+        self.idle_seconds = 0.0  # paused after every worker-iteration, untimed (--idle-ms)
+        self.spin = False  # the pause spins instead of sleeping (--spin)
         self.submitted = 0
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.worker_seconds = 0.0  # the worker's side of the wire (PlanReader): reported apart
@@ -174,6 +182,17 @@ class Harness:
                 if self.evict is not None:
                     self.evict.sum()  # read it all, then dirty a word of every cache line
                     self.evict[::8] += 1.0
+                if self.idle_seconds:
+                    self.pause()
+
+    def pause(self) -> None:
+        """The time between two worker-iterations (--idle-ms), outside every timed phase."""
+        if not self.spin:
+            time.sleep(self.idle_seconds)
+            return
+        end = time.perf_counter() + self.idle_seconds
+        while time.perf_counter() < end:
+            pass
 
     def pack_writes(self) -> None:
         """What the round trip does with the queued writes before the socket (RedisLink.round_trip)."""
@@ -259,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--round-trips", type=int, default=0, help="time this many Redis round trips instead")
     parser.add_argument("--evict-caches", type=float, default=0.0, metavar="MB",
                         help="walk a buffer of this many MB after every worker-iteration, untimed")
+    parser.add_argument("--idle-ms", type=float, default=0.0, metavar="MS",
+                        help="pause this many milliseconds after every worker-iteration, untimed")
+    parser.add_argument("--spin", action="store_true", help="the --idle-ms pause spins instead of sleeping")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.round_trips:
@@ -269,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs)
     if args.evict_caches:
         harness.evict = np.ones(int(args.evict_caches * 2**20) // 8)
+    harness.idle_seconds, harness.spin = args.idle_ms / 1000, args.spin
     harness.run(args.warmup)
     harness.seconds = dict.fromkeys(PHASES, 0.0)
     harness.worker_seconds = 0.0
