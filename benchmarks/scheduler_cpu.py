@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spin", action="store_true", help="the --idle-ms pause spins instead of sleeping")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.spin and not args.idle_ms:
+        parser.error("--spin is how the --idle-ms pause is spent: give --idle-ms too")
     if args.round_trips:
         timings = round_trips(args.round_trips, args.batch)
         print(json.dumps(timings) if args.json else "CPU per round trip at batch {}: {}".format(
