@@ -6,10 +6,11 @@ workload's lengths alone, so a measured ratio can be read against a ceiling: eac
 turns drawn as the benchmark draws them (prefix_cache.py's multiturn_workload: a new user message
 and an answer of uniform lengths), a turn finding on its worker the longest history any earlier
 turn of its conversation left there (whole KV blocks of the default size, all but the token it
-samples from), and the chat template's system message (one block) cached on both workers. "where its history is" puts every turn on one worker;
-"by chance" puts each turn on either worker with probability 1/2, which is what least-loaded does
-when the load a turn meets does not depend on where its conversation ran (its measured hit rates
-match this one's within run-to-run noise: README, prefix caching).
+samples from), and the chat template's system message (one block) cached on both workers.
+"Where its history is" puts every turn on one worker; "by chance" puts each turn on either worker
+with probability 1/2, which is what least-loaded does when the load a turn meets does not depend on
+where its conversation ran (its measured hit rates match this one's within run-to-run noise:
+README, prefix caching).
 
     .venv/bin/python benchmarks/placement_ceiling.py [--turns 2,3,4,8]
 

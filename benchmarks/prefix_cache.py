@@ -212,7 +212,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="--only-pressured: pairs per pool size")
     parser.add_argument("--by-turns", default="",
                         help="only the two-worker pair on conversations of these lengths (e.g. 2,3,4,8), about 64 "
-                             "turns in all per run, written to prefix_cache_turns.{json,md}")
+                             "turns in all per run, written to prefix_cache_turns.{json,md} (other --think-time or "
+                             "--concurrency: prefix_cache_turns_think<S>s_c<N>)")
     parser.add_argument("--think-time", type=float, default=THINK_TIME,
                         help=f"--by-turns: mean seconds a user pauses between an answer and the next turn "
                              f"(default {THINK_TIME:g})")
@@ -221,6 +222,8 @@ def main() -> None:
                              f"longer pauses)")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
+    if not args.by_turns and (args.think_time, args.concurrency) != (THINK_TIME, CONCURRENCY):
+        parser.error("--think-time and --concurrency shape the --by-turns runs: give --by-turns too")
     if args.quick:
         args.conversations, args.turns, args.users = 4, 3, 8
     multiturn = multiturn_workload(args.turns)
