@@ -566,6 +566,25 @@ async def test_a_request_cancelled_while_no_scheduler_runs_is_cancelled_by_the_n
     assert all(item.request_id != "cmpl-gone" for plan in worker.plans for item in plan.items)
 
 
+async def test_an_end_without_a_token_is_written_past_every_token_entry(redis_client, settings):
+    """A cancel (or any end without a token) must not be hidden by an entry at the next token's index
+    that the scheduler has not seen (docs/scaling.md, step 1: a worker's). Here that entry is one no
+    reader can decode, so the scheduler loads the request with no output; its end goes to 1-0, past
+    every token's 0-(index + 1), not to 0-1, where Redis would skip it as already written."""
+    await submit(redis_client, "cmpl-taken", (1, 2, 3), seed=1, max_tokens=50)
+    await redis_client.xadd(keys.token_stream("cmpl-taken"), {"m": b"\xc1"}, id="0-1")
+    await cancel(redis_client, "cmpl-taken")
+    async with FakeWorker(settings.redis_url, "w1", {"cmpl-taken": (1, 2, 3)}), running_scheduler(settings):
+        async def ended() -> bool:
+            return (await redis_client.hget(keys.request_key("cmpl-taken"), "status")) == b"cancelled"
+
+        await wait_until(ended, what="the cancel")
+        entries = await redis_client.xrange(keys.token_stream("cmpl-taken"))
+    assert [entry_id for entry_id, _ in entries] == [b"0-1", b"1-0"]
+    end = decode_token_event(entries[-1][1][b"m"])
+    assert (end.index, end.token_id, end.finish_reason) == (0, -1, "cancelled")
+
+
 async def test_writes_redis_refuses_for_a_while_are_sent_again_in_order(redis_client, settings, caplog):
     """Out of memory refuses every write for half a second: the scheduler backs off and sends them
     again, whole and in order, so no token stream has a gap or a duplicate."""

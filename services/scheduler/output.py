@@ -30,6 +30,13 @@ def token_entry_id(index: int) -> str:
     return f"0-{index + 1}"
 
 
+# An end without a token (cancelled, failed, finished between tokens) takes an id no token's entry
+# takes, past all of them: an entry at the next token's index that this process has not seen (a
+# worker's, once workers write token entries: docs/scaling.md, step 1) would otherwise make Redis
+# skip the end as already written. Entries after it are not read (a reader stops at a final event).
+END_ENTRY_ID = "1-0"
+
+
 @dataclass(eq=False)
 class OutputText:
     """A request's output text as streamed so far."""
@@ -191,8 +198,10 @@ class RequestOutputs:
     # Writes
 
     def token_event(self, request_id: str, index: int, token_id: int, text: str, **rest: Any) -> None:
-        """One entry of the request's token stream (batched with the round trip's others: one EVAL)."""
-        args = (keys.token_stream(request_id), token_entry_id(index), encode_token_event(index, token_id, text, **rest))
+        """One entry of the request's token stream (batched with the round trip's others: one EVAL);
+        token_id -1: an end without a token."""
+        entry_id = token_entry_id(index) if token_id >= 0 else END_ENTRY_ID
+        args = (keys.token_stream(request_id), entry_id, encode_token_event(index, token_id, text, **rest))
         if not (self.holding.enabled and self.holding.keep(Write(TOKEN_ENTRY, args, {}, request_id))):
             self.link.queue_token(request_id, *args)
 
