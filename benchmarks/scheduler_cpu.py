@@ -33,7 +33,9 @@ path, since the round trip waits for its replies).
 Each worker keeps `pipeline_depth` plans in flight and a pool of 1.5x its batch, as the
 control-plane experiment does (32-token prompts, 256 output tokens, greedy, no stop strings;
 --stop [STRING] gives every request a stop string (by default one that never appears; " the" makes
-most tokens search), --logprobs asks for 5 top log-probabilities).
+most tokens search), --logprobs asks for 5 top log-probabilities). The workers write the token
+entries of plain tokens, as they do by default (their side timed apart, with their codec);
+--scheduler-token-entries has the scheduler write them all, as before.
 """
 
 import argparse
@@ -58,6 +60,7 @@ from services.scheduler.held_results import ResultHolding  # noqa: E402
 from services.scheduler.output import RequestOutputs  # noqa: E402
 from services.scheduler.policy import SchedulerPolicy  # noqa: E402
 from services.scheduler.redis_link import RedisLink  # noqa: E402
+from services.worker.token_writer import TokenWriter  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
@@ -76,20 +79,23 @@ def token_for(seed: int, output_index: int) -> int:
 
 
 class Harness:
-    def __init__(self, batch: int, workers: int, depth: int, stop: str | None, logprobs: bool) -> None:
+    def __init__(self, batch: int, workers: int, depth: int, stop: str | None, logprobs: bool,
+                 worker_entries: bool = True) -> None:
         self.tokenizer = Tokenizer.load()
         settings = Settings()  # the defaults `iterserve up` runs with (prefix caching, cache-aware placement)
         self.policy = SchedulerPolicy(
             "epoch", context_length=8192, stop_token_ids=self.tokenizer.stop_token_ids, max_batch_size=batch,
             pipeline_depth=depth, max_batch_tokens=settings.max_batch_tokens, prefix_caching=settings.prefix_caching,
             placement=settings.placement, placement_slack=settings.placement_slack,
-            placement_threshold=settings.placement_threshold, cache_salt=settings.model)
+            placement_threshold=settings.placement_threshold, cache_salt=settings.model,
+            text_context=self.tokenizer.text_context if worker_entries else None)
         # Its commands are built by a redis-py client that never connects.
         self.link = RedisLink(redis.asyncio.Redis(), on_write_failed=lambda write, error: None)
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, ResultHolding(False), 3600)
         self.worker_ids = [f"w{index}" for index in range(workers)]
         self.codecs = {worker_id: PlanCodec() for worker_id in self.worker_ids}
         self.readers = {worker_id: PlanReader() for worker_id in self.worker_ids}
+        self.token_writers = {worker_id: TokenWriter(self.tokenizer) for worker_id in self.worker_ids}
         self.kv_lengths: dict[str, int] = {}
         self.seeds: dict[str, int] = {}
         self.in_flight: dict[str, deque] = {worker_id: deque() for worker_id in self.worker_ids}
@@ -136,7 +142,11 @@ class Harness:
                 if self.logprobs:
                     logprobs[item.request_id] = (-0.5, tuple((token_for(index, 0), -1.0 - index) for index in range(5)))
         started = time.process_time()
-        result = reader.encode_result(decoded, tokens, logprobs, [], 4096, 1000, 0.003)
+        writer = self.token_writers[worker_id]
+        writes, unwritten = writer.after_step(decoded.plan, tokens)
+        if writes:
+            writer.entries(writes)  # (written by the worker: its cost, not the scheduler's)
+        result = reader.encode_result(decoded, tokens, logprobs, [], 4096, 1000, 0.003, unwritten=unwritten)
         self.worker_seconds += time.process_time() - started
         return msgpack.packb({"m": result})
 
@@ -170,7 +180,7 @@ class Harness:
                 outcomes = self.policy.on_result(result)
                 applied = clock()
                 self.seconds["apply"] += applied - decoded
-                self.outputs.publish_tokens(outcomes, worker_id)
+                self.outputs.publish_tokens(outcomes, worker_id, result.entries_written, result.unwritten)
                 self.outputs.publish_finished_without_token()
                 for record in self.policy.take_iteration_records():
                     self.batch_sum += len(record.request_ids)
@@ -281,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-ms", type=float, default=0.0, metavar="MS",
                         help="pause this many milliseconds after every worker-iteration, untimed")
     parser.add_argument("--spin", action="store_true", help="the --idle-ms pause spins instead of sleeping")
+    parser.add_argument("--scheduler-token-entries", action="store_true",
+                        help="the scheduler writes every token entry (as `iterserve up --scheduler-token-entries`)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.spin and not args.idle_ms:
@@ -290,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(timings) if args.json else "CPU per round trip at batch {}: {}".format(
             args.batch, ", ".join(f"{way} {value:.0f} us" for way, value in timings.items())))
         return
-    harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs)
+    harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs,
+                      worker_entries=not args.scheduler_token_entries)
     if args.evict_caches:
         harness.evict = np.ones(int(args.evict_caches * 2**20) // 8)
     harness.idle_seconds, harness.spin = args.idle_ms / 1000, args.spin
@@ -309,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"mean batch {report['batch']:.1f} over {harness.iterations} worker-iterations: "
           f"{report['us_per_iteration']:.0f} us of scheduler CPU each")
     print("  " + "  ".join(f"{phase} {value:.0f}" for phase, value in per_iteration.items()))
-    print(f"the worker's side (not the scheduler's): plan decode + result encode {report['worker_codec_us']:.0f} us")
+    print(f"the worker's side (not the scheduler's): plan decode, result encode and token entries "
+          f"{report['worker_codec_us']:.0f} us")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class Settings(BaseModel):
     max_batch_tokens: int = Field(512, ge=1)  # token budget of one iteration (prefill chunks)
     # Plans in flight per worker: 2 plans iteration k+1 while k runs (Orca's pipelining); 1 waits.
     pipeline_depth: int = Field(2, ge=1, le=4)
+    # Workers write the token entries of tokens that end nothing, of requests without stop strings or
+    # logprobs under the iteration policy (docs/protocol.md); False: the scheduler writes them all.
+    worker_token_entries: bool = True
     # Prefix caching (services/scheduler/prefix_cache.py): finished requests' full KV blocks stay on
     # their worker for later requests with the same prefix (a conversation's next turn, a shared
     # system prompt) until the room is needed.

@@ -84,6 +84,13 @@ class NewRequest:
     # Prefix caching: hashes of cached blocks the worker holds that are this request's first blocks
     # (its first step starts after them).
     cached_blocks: tuple[bytes, ...] = ()
+    # Token entries the worker writes itself (docs/protocol.md, "Token entries from the workers"):
+    # those of output indexes first_output_index .. entries_below - 2 that end nothing (the token at
+    # entries_below - 1 ends the request by length: the scheduler writes it, with the finish). 0:
+    # none (stop strings, logprobs, the request-level baseline: the scheduler writes every entry).
+    entries_below: int = 0
+    first_output_index: int = 0  # the request's output tokens when the plan was made
+    text_context: tuple[int, ...] = ()  # its last tokens (prompt and output): the detokenizer's start
 
 
 class StepItem(NamedTuple):
@@ -161,6 +168,11 @@ class PlanResult:
     kv_blocks_free: int
     step_seconds: float  # time spent in the engine for this plan
     kv_blocks_cached: int = 0  # idle cached blocks (prefix caching), after the step
+    # The worker wrote the token entries of its tokens whose requests it was told to write for
+    # (NewRequest.entries_below), except those of `unwritten` (request ids: the ones that end their
+    # request, or that it could not); False: it wrote none (the scheduler writes them all).
+    entries_written: bool = False
+    unwritten: frozenset[str] = frozenset()
 
 
 class WorkerInfo(Frozen):

@@ -21,6 +21,7 @@ indexes, hashes), hashes of blocks to evict, and on a new request the hashes of 
 it starts with (hashes are 16 bytes each, concatenated).
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,8 +131,11 @@ class PlanCodec:
                     handle, self._next_handle = self._next_handle, self._next_handle + 1
                 self._handle_of[request.request_id] = handle
                 self._request_of[handle] = request.request_id
-            new.append([handle, request.request_id, request.sampling.model_dump(mode="python"),
-                        b"".join(request.cached_blocks)])
+            entry = [handle, request.request_id, request.sampling.model_dump(mode="python"),
+                     b"".join(request.cached_blocks)]
+            if request.entries_below:
+                entry += [request.entries_below, request.first_output_index, _array(request.text_context, _I32)]
+            new.append(entry)
         decode_handles, decode_outputs = [], []
         handles, starts, counts, samples, outputs, tokens = [], [], [], [], [], []
         sent = self._sent[plan.plan_id] = {}
@@ -192,6 +196,9 @@ class PlanCodec:
             request_id = sent.get(entry[0])
             if request_id is not None:
                 errors.append(ItemError(request_id=request_id, code=entry[1], message=entry[2][:1000]))
+        entries_written = _field(raw, kind, "ew", bool, False)
+        unwritten = frozenset(request_id for handle in _ints(raw, kind, "eu", _U16, 0, MAX_HANDLE + 1).tolist()
+                              if (request_id := sent.get(handle)) is not None)
         step_seconds = _field(raw, kind, "s", (int, float))
         if not 0 <= step_seconds < 1e9:
             raise WireError(f"{kind}: step_seconds out of range")
@@ -199,13 +206,27 @@ class PlanCodec:
             scheduler_epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int),
             worker_id=_field(raw, kind, "w", str), tokens=tuple(tokens), errors=tuple(errors),
             kv_blocks_total=_field(raw, kind, "kt", int), kv_blocks_free=_field(raw, kind, "kf", int),
-            kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds))
+            kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds),
+            entries_written=entries_written, unwritten=unwritten)
 
 
 def read_result(data: bytes) -> tuple[str, dict]:
     """A result's worker id and its fields, for that worker's PlanCodec.decode_result."""
     raw = _unpack("PlanResult", data)
     return _field(raw, "PlanResult", "w", str), raw
+
+
+def _token_entries(fields: list, kind: str) -> tuple[int, int, tuple[int, ...]]:
+    """A new request's (entries_below, first_output_index, text_context): what the worker needs to
+    write its token entries (none when the entry has no such fields)."""
+    if not fields:
+        return 0, 0, ()
+    entries_below, first_output_index, context = fields
+    if not (isinstance(entries_below, int) and isinstance(first_output_index, int)
+            and 0 <= first_output_index <= entries_below < MAX_INDEX and isinstance(context, bytes)
+            and len(context) <= 4 * _I32.itemsize):
+        raise WireError(f"{kind}: malformed new request (token entries)")
+    return entries_below, first_output_index, tuple(_ints({"n": context}, kind, "n", _I32).tolist())
 
 
 def _logprobs(raw: dict, kind: str, count: int) -> dict[int, tuple[float, tuple]]:
@@ -278,10 +299,11 @@ class PlanReader:
                 freed.append(request_id)
         new = []
         for entry in _field(raw, kind, "n", list, []):
-            if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int)
+            if not (isinstance(entry, list) and len(entry) in (4, 7) and isinstance(entry[0], int)
                     and 0 <= entry[0] <= MAX_HANDLE and valid_request_id(entry[1]) and isinstance(entry[2], dict)):
                 raise WireError(f"{kind}: malformed new request")
             cached_blocks = _hashes(entry[3], kind, "n")
+            entries_below, first_output_index, text_context = _token_entries(entry[4:], kind)
             try:
                 sampling = SamplingParams.model_validate(entry[2])
             except Exception as error:  # pydantic's ValidationError: a request's data, once per request
@@ -292,7 +314,9 @@ class PlanReader:
                 self._handle_of.pop(stale, None)
             self._request_of[handle] = request_id
             self._handle_of[request_id] = handle
-            new.append(NewRequest(request_id=request_id, sampling=sampling, cached_blocks=cached_blocks))
+            new.append(NewRequest(request_id=request_id, sampling=sampling, cached_blocks=cached_blocks,
+                                  entries_below=entries_below, first_output_index=first_output_index,
+                                  text_context=text_context))
         items, item_handles, unknown = [], [], []
         decode_handles = _ints(raw, kind, "dh", _U16, 0, MAX_HANDLE + 1)
         decode_outputs = _ints(raw, kind, "do", _I32, 1)
@@ -333,14 +357,18 @@ class PlanReader:
 
     def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
                       errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,
-                      step_seconds: float, kv_blocks_cached: int = 0) -> bytes:
+                      step_seconds: float, kv_blocks_cached: int = 0,
+                      unwritten: Iterable[str] | None = None) -> bytes:
         """tokens: request id -> token sampled; logprobs: request id -> (logprob, top); errors:
-        (request id, code, message) of the items that did not run."""
-        handles, token_ids, output_indices, logprob_entries = [], [], [], []
+        (request id, code, message) of the items that did not run; unwritten: None when this worker
+        wrote no token entry, else the requests whose token entries it was to write and did not."""
+        handles, token_ids, output_indices, logprob_entries, unwritten_handles = [], [], [], [], []
         for item, handle in zip(decoded.plan.items, decoded.item_handles):
             token = tokens.get(item.request_id)
             if token is None:
                 continue
+            if unwritten and item.request_id in unwritten:
+                unwritten_handles.append(handle)  # (as the plan named it: a later plan may have freed it)
             if item.request_id in logprobs:
                 logprob, top = logprobs[item.request_id]
                 logprob_entries.append([len(handles), logprob, [list(pair) for pair in top]])
@@ -356,4 +384,8 @@ class PlanReader:
                    "kc": kv_blocks_cached, "s": step_seconds}
         if logprob_entries:
             message["l"] = logprob_entries
+        if unwritten is not None:
+            message["ew"] = True
+            if unwritten_handles:
+                message["eu"] = _array(unwritten_handles, _U16)
         return msgpack.packb(message, use_bin_type=True)

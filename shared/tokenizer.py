@@ -192,6 +192,10 @@ def _is_byte_level(backend: BackendTokenizer) -> bool:
     return any(part.get("type") == "ByteLevel" for part in parts)
 
 
+# Bytes a detokenizer starts from (Tokenizer.text_context): more than an incomplete character holds.
+TEXT_CONTEXT_BYTES = 4
+
+
 class Tokenizer:
     """The model's tokenizer: encode, decode, and the chat template."""
 
@@ -284,6 +288,26 @@ class Tokenizer:
         """The bytes one token stands for in decoded text; empty for special tokens."""
         return self._token_bytes[token_id]
 
+    def text_context(self, *sequences: Sequence[int]) -> tuple[int, ...]:
+        """The last tokens of the sequences joined that hold TEXT_CONTEXT_BYTES bytes (or all of
+        them), those without bytes (special tokens) left out: at most TEXT_CONTEXT_BYTES tokens. A
+        detokenizer started from them is in the state of one pushed every token: its state is the
+        incomplete character at the end (at most 3 bytes), which such a tail holds whole after at
+        least one byte of whatever came before; tokens without bytes change nothing."""
+        token_bytes = self._token_bytes
+        context: list[int] = []
+        held = 0
+        for sequence in reversed(sequences):
+            for position in range(len(sequence) - 1, -1, -1):
+                token_id = sequence[position]
+                size = len(token_bytes[token_id])
+                if size:
+                    context.append(token_id)
+                    held += size
+                    if held >= TEXT_CONTEXT_BYTES:
+                        return tuple(reversed(context))
+        return tuple(reversed(context))
+
     @cached_property
     def _token_text(self) -> list[str | None]:
         """Each token's text when its bytes are whole UTF-8 characters on their own (None when not):
@@ -338,10 +362,10 @@ class IncrementalDetokenizer:
         self.length = 0  # characters of text so far (without joining the pieces)
         # A prompt encoded from text ends on a character boundary, so it changes nothing; a
         # prompt given as raw ids might not, and then the first output token completes its
-        # last character. Feeding the prompt's last few tokens covers that (a character is
-        # at most 4 bytes).
+        # last character. Feeding the prompt's last few tokens covers that (Tokenizer.text_context).
         if prompt_token_ids:
-            self._utf8.decode(b"".join(self._token_bytes[token_id] for token_id in prompt_token_ids[-4:]))
+            self._utf8.decode(b"".join(self._token_bytes[token_id]
+                                       for token_id in tokenizer.text_context(prompt_token_ids)))
         self._whole = not self._utf8.getstate()[0]  # no partial character held
 
     def push(self, token_id: int) -> str:
@@ -375,6 +399,16 @@ class IncrementalDetokenizer:
         if len(self._pieces) > 1:
             self._pieces[:] = ["".join(self._pieces)]  # joined on read, not on every push
         return self._pieces[0] if self._pieces else ""
+
+
+def piece_after(tokenizer: Tokenizer, context: Sequence[int], token_id: int, last: bool) -> str:
+    """The text token_id completes after the tokens `context` (Tokenizer.text_context of what came
+    before it), with what is held back if it is a request's last token: the piece an
+    IncrementalDetokenizer pushed the whole sequence gives. For a token whose detokenizer is
+    elsewhere (a worker's)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, context)
+    piece = detokenizer.push(token_id)
+    return piece + detokenizer.flush() if last else piece
 
 
 def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int:

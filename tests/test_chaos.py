@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "smollm2-135m-instruct"
 FINISH_SECONDS = 180  # a scenario's requests all end within this, or something is stuck
+PIPELINE_DEPTH = Settings().pipeline_depth  # plans in flight per worker (the clusters' default)
 REPORT: dict[str, dict] = {}  # what each fault cost, filled by the tests
 REPORT_SUFFIX = ""  # the executor of the scenarios running now: "" for the model, "@emulated"
 
@@ -266,11 +267,19 @@ def token_events(cluster: Cluster, request_id: str) -> list[TokenEvent]:
 
 
 def check_token_streams(cluster: Cluster, outputs: dict[str, Output]) -> None:
-    """In Redis too: output token i is entry i, once, and the final event is the last one."""
+    """In Redis too: output token i is entry i, once, and the final event is the last one. An end
+    without a token (a cancel) counts the tokens the scheduler applied: a worker may have written the
+    entries of tokens its plans in flight sampled (docs/protocol.md), at most the plans in flight."""
     for name, output in outputs.items():
         events = token_events(cluster, output.request_id)
-        assert [event.index for event in events] == list(range(len(events))), f"{name}: gap or duplicate in Redis"
+        tokens = [event for event in events if event.token_id >= 0]
+        assert [event.index for event in tokens] == list(range(len(tokens))), f"{name}: gap or duplicate in Redis"
         assert events and events[-1].finish_reason and all(event.finish_reason is None for event in events[:-1])
+        final = events[-1]
+        if final.token_id < 0:
+            assert tokens == events[:-1], f"{name}: an end without a token before a token"
+            assert len(tokens) - PIPELINE_DEPTH <= final.index == final.completion_tokens <= len(tokens), \
+                f"{name}: its end counts {final.completion_tokens} of {len(tokens)} tokens"
 
 
 def check_nothing_left(cluster: Cluster) -> None:

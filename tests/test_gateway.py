@@ -41,9 +41,13 @@ class FakeScheduler:
     fail: end every request after one token with finish_reason "error" (status failed).
     """
 
-    def __init__(self, redis, delay: float = 0.0, hold: bool = False, fail: bool = False) -> None:
+    def __init__(self, redis, delay: float = 0.0, hold: bool = False, fail: bool = False,
+                 counted_short_at: int | None = None) -> None:
         self.redis = redis
         self.fail = fail
+        # Ends at this index without a token, counting one token fewer than the stream carried (a
+        # worker's entry of a token in flight, written before the scheduler's end: docs/protocol.md)
+        self.counted_short_at = counted_short_at
         self.delay = delay
         self.released = asyncio.Event()
         if not hold:
@@ -86,6 +90,8 @@ class FakeScheduler:
                 return await self.end(request_id, index, "cancelled", prompt_tokens)
             if self.fail and index == 1:
                 return await self.end(request_id, index, "error", prompt_tokens)
+            if index == self.counted_short_at:
+                return await self.end(request_id, index - 1, "stop", prompt_tokens)
             piece = f" w{index}"
             if any(stop in text + piece for stop in record.sampling.stop):
                 return await self.end(request_id, index, "stop", prompt_tokens)
@@ -666,6 +672,13 @@ async def test_a_failed_request_is_an_error_not_a_500(gateway, redis_client):
             payloads = await read_sse(response)
     assert json.loads(payloads[0])["choices"][0]["text"] == " w0"
     assert json.loads(payloads[-2])["error"]["code"] == "request_failed" and payloads[-1] == "[DONE]"
+
+
+async def test_an_end_without_a_token_counts_every_token_the_stream_carried(gateway, redis_client):
+    async with running(FakeScheduler(redis_client, counted_short_at=3)):
+        status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 10})
+    assert status == 200 and body["choices"][0]["text"] == " w0 w1 w2", body
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 3
 
 
 async def test_a_bug_in_the_gateway_is_a_500_with_an_error_body_and_the_gateway_serves_on(

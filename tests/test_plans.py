@@ -30,9 +30,14 @@ def _random_plans(rng: random.Random, count: int):
         for _ in range(rng.randint(0, 4)):
             request_id = f"cmpl-{next_id:06d}"
             next_id += 1
+            first_output_index = rng.randint(0, 300)
+            writes = rng.random() < 0.5  # the worker writes its token entries (the fields travel only then)
             new.append(NewRequest(request_id=request_id, sampling=SamplingParams(
                 temperature=rng.choice([0.0, 0.7]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**63),
-                max_tokens=rng.randint(1, 500), stop=tuple(rng.sample(["\n", "END", "ü"], k=rng.randint(0, 2))))))
+                max_tokens=rng.randint(1, 500), stop=tuple(rng.sample(["\n", "END", "ü"], k=rng.randint(0, 2)))),
+                entries_below=first_output_index + rng.randint(1, 500) if writes else 0,
+                first_output_index=first_output_index if writes else 0,
+                text_context=tuple(rng.randrange(2**31) for _ in range(rng.randint(0, 4))) if writes else ()))
             held[request_id] = 0
         items = []
         for request_id in sorted(held):
@@ -81,9 +86,12 @@ def test_a_random_plan_sequence_round_trips_exactly_and_results_name_what_the_pl
                     if rng.random() < 0.3}
         errors = [(item.request_id, "kv_cache_full", "no room") for item in plan.items
                   if not item.sample and rng.random() < 0.1]
-        payload = reader.encode_result(decoded, sampled, logprobs, errors, 100, 42, 0.004)
+        writes_entries = rng.random() < 0.7
+        unwritten = {request_id for request_id in sampled if rng.random() < 0.2} if writes_entries else None
+        payload = reader.encode_result(decoded, sampled, logprobs, errors, 100, 42, 0.004, unwritten=unwritten)
         worker_id, raw = read_result(payload)
         result = codec.decode_result(raw)
+        assert (result.entries_written, result.unwritten) == (writes_entries, frozenset(unwritten or ()))
         assert worker_id == "w1" and (result.plan_id, result.kv_blocks_free, result.step_seconds) == \
             (plan.plan_id, 42, 0.004)
         assert {token.request_id: token.token_id for token in result.tokens} == sampled

@@ -33,6 +33,8 @@ from shared.messages import (
     WorkerInfo,
 )
 from shared.plans import PlanReader
+from shared.tokenizer import Tokenizer
+from services.worker.token_writer import WRITE_SCRIPT, TokenWriter
 from shared.redis_connection import connect
 from shared.wire import WireError, decode, decode_token_event, encode
 from tests.redis_server import RedisProcess
@@ -55,7 +57,7 @@ class FakeWorker:
 
     def __init__(self, redis_url: str, worker_id: str, prompts: dict[str, tuple[int, ...]],
                  kv_blocks_total: int = 512, kv_block_size: int = 16, step_seconds: float = 0.002,
-                 timeout_ms: int = 600) -> None:
+                 timeout_ms: int = 600, writes_entries: bool = False) -> None:
         self.redis = connect(redis_url)
         self.worker_id = worker_id
         self.prompts = prompts
@@ -70,6 +72,10 @@ class FakeWorker:
         self.errors: list[str] = []
         self.plans: list[BatchPlan] = []
         self.reader = PlanReader()  # the handles the scheduler gives this worker's requests
+        # The real worker's token entries (services/worker/token_writer.py), when asked: written with
+        # each result, as the worker writes them
+        self.token_writer = TokenWriter(Tokenizer.load()) if writes_entries else None
+        self.entries_written = 0
         self.stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -132,14 +138,21 @@ class FakeWorker:
                     result = self._run(plan)
                     for handle, message in decoded.unknown:
                         self.errors.append(f"plan {plan.plan_id}: handle {handle}: {message}")
+                    sampled = {token.request_id: token.token_id for token in result.tokens}
+                    writes, unwritten = self.token_writer.after_step(plan, sampled) if self.token_writer else ([], None)
                     payload = self.reader.encode_result(
-                        decoded, {token.request_id: token.token_id for token in result.tokens}, {},
+                        decoded, sampled, {},
                         [(error.request_id, error.code, error.message) for error in result.errors],
-                        result.kv_blocks_total, result.kv_blocks_free, result.step_seconds)
+                        result.kv_blocks_total, result.kv_blocks_free, result.step_seconds, unwritten=unwritten)
                     await asyncio.sleep(self.step_seconds)
+                    entries = self.token_writer.entries(writes) if writes else b""
                     while True:  # as the real worker: a Redis that refuses writes for a while is waited out
                         try:
-                            await self.redis.xadd(keys.RESULTS_STREAM, {"m": payload})
+                            if writes:
+                                await self.redis.eval(WRITE_SCRIPT, 1, keys.RESULTS_STREAM, entries, payload, 1000)
+                                self.entries_written += len(writes)
+                            else:
+                                await self.redis.xadd(keys.RESULTS_STREAM, {"m": payload})
                             break
                         except OutOfMemoryError:
                             await asyncio.sleep(0.05)
@@ -269,10 +282,12 @@ def check_stream(request_id: str, events: list[TokenEvent], seed: int, prompt_le
     assert [event.token_id for event in events] == [fake_token(seed, index) for index in range(completion_tokens)]
 
 
-async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings):
+@pytest.mark.parametrize("writes_entries", [False, True], ids=["scheduler-entries", "worker-entries"])
+async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings, writes_entries):
     prompts = {"cmpl-len": (1, 2, 3), "cmpl-eos": (4, 5), "cmpl-stopstr": (6, 7, 8, 9),
                "cmpl-long": tuple(range(300, 400))}
-    async with FakeWorker(settings.redis_url, "w1", prompts) as worker, running_scheduler(settings):
+    async with FakeWorker(settings.redis_url, "w1", prompts, writes_entries=writes_entries) as worker, \
+            running_scheduler(settings):
         await submit(redis_client, "cmpl-len", prompts["cmpl-len"], seed=1, max_tokens=5)
         await submit(redis_client, "cmpl-eos", prompts["cmpl-eos"], seed=7, max_tokens=20)
         # seed 0 writes "!\"#$%&'()...": the stop string "%&" ends the text at "!\"#$"
@@ -307,6 +322,8 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
         assert any(item.feeds_sampled for plan in worker.plans for item in plan.items), "plans were pipelined"
         assert worker.errors == []
+        # the worker's: cmpl-len's 4 first, cmpl-eos's 3 first (not the stop token), cmpl-long's 3 first
+        assert worker.entries_written == (10 if writes_entries else 0)
 
 
 async def _heartbeat_shows_iterations(redis_client) -> bool:
@@ -339,10 +356,12 @@ async def test_malformed_messages_are_skipped(redis_client, settings):
         assert worker.errors == []
 
 
-async def test_cancel_a_running_and_a_waiting_request(redis_client, settings):
+@pytest.mark.parametrize("writes_entries", [False, True], ids=["scheduler-entries", "worker-entries"])
+async def test_cancel_a_running_and_a_waiting_request(redis_client, settings, writes_entries):
     settings = settings.model_copy(update={"max_batch_size": 1})
     prompts = {"cmpl-running": (1, 2, 3), "cmpl-waiting": (4, 5, 6), "cmpl-after": (7, 8)}
-    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.005) as worker, running_scheduler(settings):
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.005, writes_entries=writes_entries) \
+            as worker, running_scheduler(settings):
         await submit(redis_client, "cmpl-running", prompts["cmpl-running"], seed=2, max_tokens=100_000)
         await wait_until(lambda: _has_events(redis_client, "cmpl-running", 3), what="first tokens")
         await submit(redis_client, "cmpl-waiting", prompts["cmpl-waiting"], seed=2, max_tokens=5)
@@ -355,7 +374,13 @@ async def test_cancel_a_running_and_a_waiting_request(redis_client, settings):
         running = await wait_finished(redis_client, "cmpl-running")
         final = running[-1]
         assert (final.token_id, final.text, final.finish_reason) == (-1, "", "cancelled")
-        assert final.completion_tokens == final.index == len(running) - 1
+        assert [event.index for event in running[:-1]] == list(range(len(running) - 1))
+        assert [event.token_id for event in running[:-1]] == [fake_token(2, index) for index in range(len(running) - 1)]
+        if writes_entries:  # the worker may have written the entry of a token in flight, which was dropped
+            assert final.completion_tokens == final.index <= len(running) - 1 <= final.index + settings.pipeline_depth
+            assert worker.entries_written > 0
+        else:
+            assert final.completion_tokens == final.index == len(running) - 1
         assert await redis_client.hmget(keys.request_key("cmpl-running"), ["status", "finish_reason"]) == [
             b"cancelled", b"cancelled"]
         check_stream("cmpl-after", await wait_finished(redis_client, "cmpl-after"), 4, 2, 2, "length")

@@ -67,6 +67,7 @@ class Sizes:
     output_tokens: int = 256
     max_batch_size: int = 64
     pipeline_depth: int = 2  # plans in flight per worker (the system's default)
+    scheduler_token_entries: bool = False  # the scheduler writes every token entry (not the system's default)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
     http_clients: int = 16
@@ -188,7 +189,8 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
     return ServerProcess(workers=workers, kv_blocks=blocks_per_worker,
                          extra_args=("--executor", "emulated", "--hardware", profile,
                                      "--max-batch-size", str(sizes.max_batch_size),
-                                     "--pipeline-depth", str(sizes.pipeline_depth)),
+                                     "--pipeline-depth", str(sizes.pipeline_depth),
+                                     *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else [])),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
 
 
@@ -258,7 +260,11 @@ def markdown(report: dict) -> str:
         f"{report['sizes']['requests_per_worker']} active requests per worker ({report['sizes']['prompt_tokens']}-token "
         f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}, "
         f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`); "
-        f"measured over {report['sizes']['seconds']:g} s after a {report['sizes']['warmup_seconds']:g} s warm-up.",
+        + ("the scheduler writes every token entry (`--scheduler-token-entries`); "
+           if report["sizes"].get("scheduler_token_entries")
+           else "the workers write the token entries of plain tokens; ")
+        + f"measured over {report['sizes']['seconds']:g} s after a "
+        f"{report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
         "| profile (emulated) | step ms | workers | batch | busy min | busy mean | plans/s | scheduler CPU | "
         "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | gap ms / it |",
@@ -333,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fleets", help="comma-separated worker counts (default 1,2,4,8,16)")
     parser.add_argument("--seconds", type=float, help="measured window per configuration")
     parser.add_argument("--pipeline-depth", type=int, help="plans in flight per worker (default 2, the system's)")
+    parser.add_argument("--scheduler-token-entries", action="store_true",
+                        help="the scheduler writes every token entry (default: the workers write most)")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, or .../quick)")
@@ -347,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["seconds"] = args.seconds
     if args.pipeline_depth:
         overrides["pipeline_depth"] = args.pipeline_depth
+    if args.scheduler_token_entries:
+        overrides["scheduler_token_entries"] = True
     if overrides:
         sizes = Sizes(**{**asdict(sizes), **overrides})
     out_dir = (args.out or (RESULTS / "quick" if args.quick else RESULTS)).resolve()

@@ -238,6 +238,10 @@ class Answer:
         self.finished = True
         prompt_tokens = event.prompt_tokens or self.prompt_tokens
         completion_tokens = event.completion_tokens or (self.start_index + self.tokens_seen)
+        if event.token_id < 0:
+            # An end without a token (a cancel, an error) counts what the stream carried: a worker may
+            # have written the entry of a token sampled in flight that the scheduler never applied.
+            completion_tokens = max(completion_tokens, self.start_index + self.tokens_seen)
         if self.started is not None:
             self.count_outcome(event.finish_reason)
             metrics = self.state.metrics

@@ -2,10 +2,12 @@
 entries and a request's end (status, active set, expiries).
 
 Output token i of a request is entry id 0-(i+1) of its token stream: a write repeated after a lost
-reply, or by a restarted scheduler, is refused by Redis instead of duplicated. Text is decoded
-here, incrementally (shared/tokenizer.py): a few microseconds a token, a small part of a
-worker-iteration's cost in the scheduler (measured: the README's control-plane section), and the
-scheduler needs the text to find stop strings, so it stays here.
+reply, or by a restarted scheduler, is refused by Redis instead of duplicated. Most entries are
+the workers' (services/worker/token_writer.py: a request without stop strings or logprobs, under
+the iteration policy, a token that ends nothing): such a request's tokens are not detokenized here,
+and its entries written here (its last token's, with the finish and the usage, and any its worker
+says it did not write) take their text from the tokens alone (shared/tokenizer.py, piece_after).
+Every other request's text is decoded here, incrementally: stop strings are searched here.
 """
 
 import logging
@@ -18,7 +20,7 @@ from services.scheduler.redis_link import TOKEN_ENTRY, RedisLink, SchedulerState
 from services.scheduler.request_state import RequestState
 from shared import keys
 from shared.messages import FinishReason, RequestRecord
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back_length
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back_length, piece_after
 from shared.wire import encode_token_event
 
 log = logging.getLogger("iterserve.scheduler")
@@ -50,6 +52,9 @@ class OutputText:
     # it would have begun in it: text before it began none, or some would be held back), so the
     # token needs no search (publish_tokens); most tokens of most requests with stop strings.
     stop_starts: frozenset[str] = frozenset()
+    # Its workers write its token entries (SchedulerPolicy.workers_write_entries): its detokenizer
+    # here is not used; the entries written here take their text from the tokens.
+    worker_writes: bool = False
 
 
 class BoundedSet:
@@ -88,7 +93,8 @@ class RequestOutputs:
         """A request's output so far (loaded from Redis, or empty); returns its text."""
         output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids),
                             keys.token_stream(record.request_id),
-                            stop_starts=frozenset(stop[0] for stop in record.sampling.stop if stop))
+                            stop_starts=frozenset(stop[0] for stop in record.sampling.stop if stop),
+                            worker_writes=self.policy.workers_write_entries(record.sampling))
         for token_id in output_token_ids:
             output.detokenizer.push(token_id)
         output.emitted = emitted_text
@@ -101,11 +107,13 @@ class RequestOutputs:
             self._marked_running.add(request_id)
             self.link.queue("hset", keys.request_key(request_id), "status", "running")
 
-    def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str) -> None:
-        """A result's tokens, in order: each one's text and token entry (and its request's end). The
-        common case (nothing held back, nothing ends, no stop string can end or begin in the piece,
-        no log-probabilities: every step of most requests) is inline here, the rest in _publish; one
-        call per result, not per token."""
+    def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str, entries_written: bool = False,
+                       unwritten: frozenset[str] = frozenset()) -> None:
+        """A result's tokens, in order: each one's text and token entry (and its request's end).
+        Most are the worker's, written already (PlanResult.entries_written, except `unwritten`):
+        nothing to do. The common case of the rest (nothing held back, nothing ends, no stop string
+        can end or begin in the piece, no log-probabilities) is inline here, the others in _publish;
+        one call per result, not per token."""
         holding = self.holding
         if holding.enabled:  # the request-level baseline: its writes wait for its batch
             for outcome in outcomes:
@@ -115,6 +123,12 @@ class RequestOutputs:
             state, token_id, index, finish_reason, logprob, top_logprobs = outcome  # (no attribute reads)
             request_id = state.request_id
             output = outputs[request_id]
+            if output.worker_writes:
+                if not entries_written or request_id in unwritten:
+                    self._publish_from_tokens(outcome, output)
+                elif finish_reason is not None:
+                    self._end_after_worker_entry(outcome)
+                continue  # (else the worker wrote it: most tokens)
             detokenizer = output.detokenizer
             piece = detokenizer.push(token_id)
             stop_starts = output.stop_starts
@@ -165,6 +179,30 @@ class RequestOutputs:
         if finish is not None:
             self.write_end(request_id, finish, completion_tokens)
 
+    def _publish_from_tokens(self, outcome: TokenOutcome, output: OutputText) -> None:
+        """A token of a request whose worker writes its entries that it did not write: it ends the
+        request (the entry with the finish and the usage), or its worker could not write it."""
+        state, token_id, index, finish = outcome.request, outcome.token_id, outcome.output_index, outcome.finish_reason
+        context = self.tokenizer.text_context(state.prompt_token_ids, state.output_token_ids[:index])
+        piece = piece_after(self.tokenizer, context, token_id, last=finish is not None)
+        if finish is None:
+            self.link.queue_token(state.request_id, output.stream_key, token_entry_id(index),
+                                  encode_token_event(index, token_id, piece))
+            return
+        completion_tokens = len(state.output_token_ids)
+        self.token_event(state.request_id, index, token_id, piece, finish_reason=finish,
+                         prompt_tokens=len(state.prompt_token_ids), completion_tokens=completion_tokens,
+                         cached_tokens=state.cached_tokens or 0)
+        self.write_end(state.request_id, finish, completion_tokens)
+
+    def _end_after_worker_entry(self, outcome: TokenOutcome) -> None:
+        """A token that ends its request, which its worker wrote as one that does not (the two did not
+        decide alike: they should, shared/finishing.py): the end goes after it, without a token."""
+        state = outcome.request
+        log.warning("worker_wrote_last_token request_id=%s output_index=%d", state.request_id, outcome.output_index)
+        state.finish_reason = outcome.finish_reason
+        self._final_event_without_token(state)
+
     def publish_finished_without_token(self) -> None:
         for state in self.policy.take_finished_without_token():
             self._final_event_without_token(state)
@@ -175,7 +213,10 @@ class RequestOutputs:
         reason = state.finish_reason or "error"
         piece = ""
         output = self._outputs.get(request_id)
-        if output is not None and reason != "cancelled":
+        if output is not None and reason != "cancelled" and output.worker_writes:  # (no stop strings)
+            piece = IncrementalDetokenizer(self.tokenizer, self.tokenizer.text_context(
+                state.prompt_token_ids, state.output_token_ids)).flush()
+        elif output is not None and reason != "cancelled":
             output.detokenizer.flush()
             text = output.detokenizer.text
             end = len(text)

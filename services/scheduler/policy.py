@@ -51,8 +51,10 @@ from shared.messages import (
     NewRequest,
     PlanResult,
     RequestRecord,
+    SamplingParams,
     StepItem,
 )
+from shared.finishing import finish_reason, length_limit
 
 log = logging.getLogger("iterserve.scheduler")
 
@@ -124,9 +126,13 @@ class SchedulerPolicy:
         placement_slack: int = 8,
         placement_threshold: float = 0.5,
         cache_salt: str = "",
+        text_context: Callable[..., tuple[int, ...]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """cache_salt: what else makes a block's KV (the model's name): part of every block hash."""
+        """cache_salt: what else makes a block's KV (the model's name): part of every block hash.
+        text_context: the tokenizer's (Tokenizer.text_context); given, workers write the token
+        entries of tokens that end nothing, for the requests `workers_write_entries` says (the
+        iteration policy only)."""
         if policy not in ("iteration", "request"):
             raise ValueError(f"unknown policy {policy!r}")
         if placement not in ("cache-aware", "least-loaded"):
@@ -146,6 +152,7 @@ class SchedulerPolicy:
         self.pipeline_depth = pipeline_depth
         self.context_length = context_length
         self.stop_token_ids = frozenset(stop_token_ids)
+        self._text_context = text_context if policy == "iteration" else None
         self._clock = clock
         self._requests: dict[str, RequestState] = {}  # waiting and running
         self._waiting: list[tuple[float, int, str]] = []  # sorted by arrival: FCFS
@@ -681,10 +688,7 @@ class SchedulerPolicy:
             state.computed = end
             placements[request_id] = state.placement
         new_requests = [
-            NewRequest(request_id=request_id, sampling=state.sampling,
-                       cached_blocks=tuple(state.held_hashes[: state.adopted_blocks]))
-            for request_id, state in running.items()
-            if request_id not in worker.known
+            self._new_request(state) for request_id, state in running.items() if request_id not in worker.known
         ] if not worker.known.issuperset(running) else []  # (one set operation in the common case)
         worker.known.update(new.request_id for new in new_requests)
         plan = BatchPlan(
@@ -707,15 +711,31 @@ class SchedulerPolicy:
                                              placements))
         return plan
 
+    def workers_write_entries(self, sampling: SamplingParams) -> bool:
+        """Whether the workers write this request's token entries (those of tokens that end
+        nothing): not with stop strings (its text may be held back or cut where it is searched,
+        here) or logprobs (they travel in the result)."""
+        return self._text_context is not None and not sampling.stop and sampling.logprobs < 0
+
+    def _new_request(self, state: RequestState) -> NewRequest:
+        """A request's data for a worker that does not hold it yet."""
+        cached_blocks = tuple(state.held_hashes[: state.adopted_blocks])
+        if not self.workers_write_entries(state.sampling):
+            return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks)
+        outputs = state.output_token_ids
+        return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
+                          entries_below=max(len(outputs), length_limit(state.sampling.max_tokens,
+                                                                       state.prompt_length, self.context_length)),
+                          first_output_index=len(outputs),
+                          text_context=self._text_context(state.prompt_token_ids, outputs))
+
     # Internals: request lifecycle
 
     def _finish_reason_after_output(self, state: RequestState) -> FinishReason | None:
         output, sampling = state.output_token_ids, state.sampling
-        if output[-1] in self.stop_token_ids and not sampling.ignore_eos:
-            return "stop"
-        if len(output) >= sampling.max_tokens or state.prompt_length + len(output) >= self.context_length:
-            return "length"
-        return None
+        return finish_reason(output[-1], len(output), length_limit(sampling.max_tokens, state.prompt_length,
+                                                                   self.context_length),
+                             self.stop_token_ids, sampling.ignore_eos)
 
     def _on_item_error(self, worker: WorkerState, state: RequestState, code: str, message: str) -> None:
         state.item_errors += code not in ("kv_cache_full", "out_of_memory")  # reasons to wait, not faults

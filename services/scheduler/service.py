@@ -84,6 +84,7 @@ class SchedulerService:
             placement_slack=settings.placement_slack,
             placement_threshold=settings.placement_threshold,
             cache_salt=settings.model_group or settings.model,
+            text_context=tokenizer.text_context if settings.worker_token_entries else None,
         )
         self.link = RedisLink(redis, on_write_failed=self._write_failed,
                               model_keys=keys.ModelKeys(settings.model_group))
@@ -254,7 +255,8 @@ class SchedulerService:
         outcomes = self.policy.on_result(result)
         applied = time.process_time()
         self.phase_cpu["apply"] += applied - started
-        self.outputs.publish_tokens(outcomes, result.worker_id)  # may end requests on stop strings: before the records
+        # (may end requests on stop strings: before the records)
+        self.outputs.publish_tokens(outcomes, result.worker_id, result.entries_written, result.unwritten)
         self.outputs.publish_finished_without_token()
         records = self.policy.take_iteration_records()
         self.phase_cpu["fanout"] += time.process_time() - applied

@@ -37,6 +37,7 @@ import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from services.worker.engine import Engine
+from services.worker.token_writer import WRITE_SCRIPT, TokenWriter, Write
 from services.worker.rows import ItemRefusal, StepOutcome
 from services.worker.kv_cache import CacheMismatch, PagedKVCache
 from shared import keys
@@ -47,6 +48,7 @@ from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, Work
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange
 from shared.plans import DecodedPlan, PlanReader
+from shared.tokenizer import Tokenizer
 from shared.wire import WireError, encode
 
 log = logging.getLogger("iterserve.worker")
@@ -105,6 +107,7 @@ class Worker:
         served = served_models(settings)[0]  # a worker serves one model, in its model's pool of keys
         self.model_name, self.keys = served.name, served.keys
         self.weights_sha256 = weights_sha256(load_metadata(settings.model))
+        self.token_writer = TokenWriter(Tokenizer.load(settings.model))  # the token entries it writes
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_cache
@@ -138,10 +141,10 @@ class Worker:
                 async with asyncio.timeout(self.settings.heartbeat_seconds):
                     await self._heartbeat_stop.wait()
 
-    def execute(self, decoded: DecodedPlan) -> tuple[bytes, StepOutcome]:
-        """Run a plan: its result on the wire, and the step's outcome."""
+    def execute(self, decoded: DecodedPlan) -> tuple[bytes, list[Write], StepOutcome]:
+        """Run a plan: its result on the wire, the token entries to write with it, and the step's outcome."""
         outcome = self.launch(decoded)
-        return self._encode(decoded, outcome), outcome
+        return *self._encode(decoded, outcome), outcome
 
     def launch(self, decoded: DecodedPlan) -> StepOutcome:
         """A plan's changes and its step (with pipeline stages: the step's first stage; a refused
@@ -165,13 +168,17 @@ class Worker:
             return self.failed(plan, "cache_mismatch", str(mismatch))
         return self.engine.step(plan.items)
 
-    def _encode(self, decoded: DecodedPlan, outcome: StepOutcome) -> bytes:
+    def _encode(self, decoded: DecodedPlan, outcome: StepOutcome) -> tuple[bytes, list[Write]]:
+        """A plan's result on the wire and the token entries to write with it (called once for every
+        plan decoded, in order: the token writer follows the plans' new and freed requests)."""
         kv = self.engine.kv_cache
+        writes, unwritten = self.token_writer.after_step(decoded.plan, outcome.tokens)
         logprobs = {request_id: (finite(value.logprob), tuple((token, finite(top)) for token, top in value.top))
                     for request_id, value in outcome.logprobs.items()}
         return self.reader.encode_result(decoded, outcome.tokens, logprobs,
                                          [(error.request_id, error.code, error.message) for error in outcome.errors],
-                                         kv.blocks_total, kv.blocks_free, outcome.seconds, kv.blocks_cached)
+                                         kv.blocks_total, kv.blocks_free, outcome.seconds, kv.blocks_cached,
+                                         unwritten), writes
 
     async def serve(self, stop_event: asyncio.Event) -> None:
         stream = keys.plan_stream(self.worker_id)
@@ -281,19 +288,19 @@ class Worker:
             entry_id, fields = self._ready.popleft()
             ran = self._run_plan(fields, entry_id)
             if ran is not None:
-                loop.call_soon_threadsafe(self._queue_publish, ran[0], stream, entry_id, ran[1])
+                loop.call_soon_threadsafe(self._queue_publish, *ran, stream, entry_id)
             if not self._ready or stop_event.is_set():
                 return
 
-    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[bytes, int] | None:
-        """One plan: its result on the wire and its id (None for a plan not to run). Raises
-        EngineBroken when the engine can no longer compute."""
+    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[bytes, list[Write], int] | None:
+        """One plan: its result on the wire, its token entries and its id (None for a plan not to
+        run). Raises EngineBroken when the engine can no longer compute."""
         decoded = self._decode(fields, entry_id)
         if decoded is None:
             return None
         plan = decoded.plan
         try:
-            result, outcome = self.execute(decoded)
+            result, writes, outcome = self.execute(decoded)
             self.busy_seconds += outcome.seconds
             self._consecutive_oom = 0
         except Exception as failure:
@@ -307,13 +314,13 @@ class Worker:
             if self._consecutive_oom >= MAX_CONSECUTIVE_OOM:
                 raise EngineBroken(f"{self._consecutive_oom} steps in a row ran out of memory") from failure
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
-            result = self._encode(decoded, outcome)
+            result, writes = self._encode(decoded, outcome)
         self._log_refusals(decoded, outcome)
-        return result, plan.plan_id
+        return result, writes, plan.plan_id
 
-    def _queue_publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int) -> None:
+    def _queue_publish(self, result: bytes, writes: list[Write], plan_id: int, stream: str, entry_id: bytes) -> None:
         """Publish a result after the one before it (results go out in order)."""
-        self._publishing = asyncio.create_task(self._publish(result, stream, entry_id, plan_id,
+        self._publishing = asyncio.create_task(self._publish(result, writes, stream, entry_id, plan_id,
                                                              after=self._publishing))
 
     def _decode(self, fields: dict, entry_id: bytes) -> DecodedPlan | None:
@@ -374,7 +381,7 @@ class Worker:
         self.busy_seconds += now - max(launched_at, self._busy_until)  # overlapping plans counted once
         self._busy_until = now
         self._log_refusals(decoded, outcome)
-        await self._publish(self._encode(decoded, outcome), stream, entry_id, decoded.plan.plan_id)
+        await self._publish(*self._encode(decoded, outcome), stream, entry_id, decoded.plan.plan_id)
 
     def _log_refusals(self, decoded: DecodedPlan, outcome: StepOutcome) -> None:
         for error in outcome.errors:
@@ -384,16 +391,20 @@ class Worker:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
 
-    async def _publish(self, result: bytes, stream: str, entry_id: bytes, plan_id: int,
+    async def _publish(self, result: bytes, writes: list[Write], stream: str, entry_id: bytes, plan_id: int,
                        after: asyncio.Task | None = None) -> None:
-        """The result, and the plan stream trimmed up to its plan (nobody else reads it), once the
-        publish `after` is done. Sent again until Redis takes it: at once the first time (a
-        connection Redis dropped since the last result, say on a restart), then every half second.
-        (A result written twice is read once: the scheduler takes one answer per plan.)"""
+        """The result (after its token entries, in one script: services/worker/token_writer.py), and
+        the plan stream trimmed up to its plan (nobody else reads it), once the publish `after` is
+        done. Sent again until Redis takes it: at once the first time (a connection Redis dropped
+        since the last result, say on a restart), then every half second. (A result written twice
+        is read once: the scheduler takes one answer per plan; an entry written twice is skipped.)"""
         if after is not None:
             await after
-        commands = [("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result),
-                    ("XTRIM", stream, "MINID", entry_id)]
+        if writes:  # (detokenized here, in the event loop, while the step thread runs the next step)
+            add = ("EVAL", WRITE_SCRIPT, 1, self.keys.results, self.token_writer.entries(writes), result, RESULTS_KEPT)
+        else:
+            add = ("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result)
+        commands = [add, ("XTRIM", stream, "MINID", entry_id)]
         wait = 0.0
         while True:
             try:

@@ -1,0 +1,135 @@
+"""A worker's token entries: the entries of the tokens it samples that end nothing, for the
+requests whose plan said so (NewRequest.entries_below), written into the requests' token streams
+with its result, so that the scheduler, the one process every token goes through, neither
+detokenizes nor writes them (docs/protocol.md, "Token entries from the workers").
+
+Two halves, each in the order plans run: `after_step` (where the result is encoded: the step
+thread, or the event loop with pipeline stages) takes the plan's new and freed requests and decides
+which of the step's tokens this worker writes; `entries` (the event loop, while the next step runs)
+detokenizes them and packs them for WRITE_SCRIPT, which writes them before the result, in one
+command: the scheduler reads a result only once its entries are in the streams.
+
+A token is written when it is the next of its request here (its text continues this worker's
+detokenizer) and does not end its request (shared/finishing.py: the scheduler writes that one, with
+the finish and the usage). Every other token of such a request is named in the result as unwritten,
+and the scheduler writes it; an entry written twice is refused by Redis (ids only grow).
+"""
+
+from dataclasses import dataclass
+
+import msgpack
+
+from shared import keys
+from shared.finishing import finish_reason
+from shared.messages import BatchPlan, NewRequest
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.wire import encode_token_event
+
+# Per entry of msgpack columns [stream keys, entry ids, payloads, request keys]: XADD, unless the
+# request is gone (its hash expired: nobody reads it; the entry would only leave a key behind). A
+# stream of a request that ended (its hash has a time to live) that is not there any more is made
+# again with the hash's time to live. An entry written before is skipped. Any other error stops the
+# script before the result is added, and comes back as its reply: the worker sends it all again.
+# Then XADD of the result: KEYS[1] the results stream, ARGV[2] the result, ARGV[3] the stream's
+# approximate length. (EVAL with the script's text: a restarted Redis has no script cache.)
+WRITE_SCRIPT = """
+local columns = cmsgpack.unpack(ARGV[1])
+local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], columns[3], columns[4]
+for i = 1, #stream_keys do
+  local ttl = redis.call('PTTL', request_keys[i])
+  if ttl ~= -2 then
+    local reply = redis.pcall('XADD', stream_keys[i], entry_ids[i], 'm', payloads[i])
+    if type(reply) == 'table' and reply.err then
+      if not string.find(reply.err, 'equal or smaller', 1, true) then
+        return reply
+      end
+    elseif ttl >= 0 and redis.call('PTTL', stream_keys[i]) == -1 then
+      redis.call('PEXPIRE', stream_keys[i], ttl)
+    end
+  end
+end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2])
+"""
+
+
+@dataclass(eq=False, slots=True)
+class _Row:
+    """A request this worker writes token entries for (from its NewRequest to its free)."""
+
+    stream_key: str  # its token stream's
+    request_key: str  # its hash's (the script writes nothing for a request whose hash is gone)
+    next_index: int  # the output index whose entry this worker writes next
+    entries_below: int  # the token at entries_below - 1 ends the request by length
+    ignore_eos: bool
+    context: tuple[int, ...]  # the detokenizer's start (Tokenizer.text_context)
+    ended: bool = False  # a token ended it, or one came out of step: nothing more is written here
+    detokenizer: IncrementalDetokenizer | None = None  # the event loop's (made at the first entry)
+
+
+Write = tuple[_Row, int, int]  # (row, output index, token id): an entry to write
+
+
+class TokenWriter:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(tokenizer.stop_token_ids)
+        self._rows: dict[str, _Row] = {}
+        self._epoch = ""
+
+    def after_step(self, plan: BatchPlan, tokens: dict[str, int]) -> tuple[list[Write], set[str] | None]:
+        """A plan run (or refused): its changes, then which of its tokens this worker writes, and
+        the requests whose token it was to write and does not (None: it writes for none)."""
+        if plan.scheduler_epoch != self._epoch or plan.free_all:
+            self._epoch = plan.scheduler_epoch
+            self._rows.clear()
+        rows = self._rows
+        for request_id in plan.free_request_ids:
+            rows.pop(request_id, None)
+        for new in plan.new_requests:
+            if new.entries_below:
+                rows[new.request_id] = _row(new)
+            else:
+                rows.pop(new.request_id, None)
+        if not rows:
+            return [], None
+        writes: list[Write] = []
+        unwritten: set[str] = set()
+        stop_token_ids = self.stop_token_ids
+        for item in plan.items:
+            row = rows.get(item.request_id)
+            if row is None or not item.sample or (token_id := tokens.get(item.request_id)) is None:
+                continue
+            index = item.output_index
+            if row.ended or index != row.next_index:
+                # Sampled here before (its entry was written, or the scheduler's to write: it writes
+                # it again, Redis skips it), or out of step with this worker's text: the scheduler's.
+                unwritten.add(item.request_id)
+                row.ended = row.ended or index > row.next_index
+                continue
+            row.next_index = index + 1
+            if finish_reason(token_id, index + 1, row.entries_below, stop_token_ids, row.ignore_eos) is not None:
+                row.ended = True  # its entry is the scheduler's; tokens sampled past it are nobody's
+                unwritten.add(item.request_id)
+                continue
+            writes.append((row, index, token_id))
+        return writes, unwritten
+
+    def entries(self, writes: list[Write]) -> bytes:
+        """The entries, in order, as WRITE_SCRIPT's first argument. (use_bin_type=False: Redis's
+        Lua cmsgpack reads only the raw string type.)"""
+        stream_keys, entry_ids, payloads, request_keys = [], [], [], []
+        for row, index, token_id in writes:
+            detokenizer = row.detokenizer
+            if detokenizer is None:
+                detokenizer = row.detokenizer = IncrementalDetokenizer(self.tokenizer, row.context)
+            piece = detokenizer.push(token_id)
+            stream_keys.append(row.stream_key)
+            entry_ids.append(f"0-{index + 1}")
+            payloads.append(encode_token_event(index, token_id, piece))
+            request_keys.append(row.request_key)
+        return msgpack.packb([stream_keys, entry_ids, payloads, request_keys], use_bin_type=False)
+
+
+def _row(new: NewRequest) -> _Row:
+    return _Row(keys.token_stream(new.request_id), keys.request_key(new.request_id), new.first_output_index,
+                new.entries_below, new.sampling.ignore_eos, new.text_context)
