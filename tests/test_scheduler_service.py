@@ -630,13 +630,15 @@ async def test_writes_redis_refuses_for_a_while_are_sent_again_in_order(redis_cl
     assert "RedisWritesRefused" in caplog.text, "Redis never refused a round trip: the test did not test"
 
 
-async def test_a_write_failing_on_one_requests_key_fails_that_request_alone(redis_client, settings):
+@pytest.mark.parametrize("writes_entries", [False, True], ids=["scheduler-entries", "worker-entries"])
+async def test_a_write_failing_on_one_requests_key_fails_that_request_alone(redis_client, settings, writes_entries):
     """A request whose token stream is not a stream (broken before it was loaded, or while it runs)
-    ends failed, and says so in its hash; the others are untouched and the scheduler runs on."""
+    ends failed, and says so in its hash; the others are untouched and the scheduler runs on (the
+    worker too, when it writes the entries: it names the request with its result)."""
     prompts = {"cmpl-broken-before": (1, 2, 3), "cmpl-broken-during": (7, 8), "cmpl-fine": (4, 5, 6)}
     await redis_client.set(keys.token_stream("cmpl-broken-before"), b"not a stream")
-    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.01) as worker, \
-            running_scheduler(settings) as task:
+    async with FakeWorker(settings.redis_url, "w1", prompts, step_seconds=0.01, writes_entries=writes_entries) \
+            as worker, running_scheduler(settings) as task:
         await submit(redis_client, "cmpl-broken-before", prompts["cmpl-broken-before"], seed=1, max_tokens=40)
         await submit(redis_client, "cmpl-broken-during", prompts["cmpl-broken-during"], seed=3, max_tokens=200)
         await submit(redis_client, "cmpl-fine", prompts["cmpl-fine"], seed=2, max_tokens=40)
@@ -655,6 +657,10 @@ async def test_a_write_failing_on_one_requests_key_fails_that_request_alone(redi
             assert not await redis_client.sismember(keys.ACTIVE_REQUESTS_SET, request_id)
             assert await redis_client.ttl(keys.request_key(request_id)) > 0
         assert not task.done()
+        if writes_entries:  # they failed on the worker's report, long before their last token
+            assert worker.entries_written > 0
+            assert not any(item.request_id == request_id and item.output_index >= 30 for plan in worker.plans
+                           for item in plan.items for request_id in ("cmpl-broken-before", "cmpl-broken-during"))
     assert worker.errors == []
 
 

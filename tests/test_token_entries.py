@@ -13,6 +13,7 @@ import random
 import msgpack
 import pytest
 import redis.asyncio
+from redis.exceptions import OutOfMemoryError
 
 from services.scheduler.held_results import ResultHolding
 from services.scheduler.output import RequestOutputs
@@ -107,7 +108,7 @@ def run(tokenizer, workers_write: bool, abandon_at: int | None = None) -> Stream
                    for item in plan.items if item.sample}  # (past a request's end: what the model would say)
         writes, unwritten = writer.after_step(plan, sampled)
         if writes:
-            for stream_key, entry_id, payload, _ in zip(*msgpack.unpackb(writer.entries(writes), raw=True),
+            for stream_key, entry_id, payload, _, _ in zip(*msgpack.unpackb(writer.entries(writes), raw=True),
                                                         strict=True):
                 streams.xadd(stream_key.decode(), entry_id.decode(), payload, "worker")
         return PlanResult(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id="w0",
@@ -194,13 +195,14 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
                                                                                               tokenizer):
     """A worker's write (WRITE_SCRIPT, one EVAL): its entries, then its result; none for a request
     whose hash is gone (no key is made); a stream gone from a request that ended is made again with
-    the hash's time to live; an entry written before is skipped; any other error stops the script
-    before the result."""
+    the hash's time to live; an entry written before is skipped; an entry that fails for its key is
+    left out and its request named with the result; Redis refusing writes stops the script before
+    the result (the worker sends it all again)."""
     from services.worker.token_writer import WRITE_SCRIPT
     from shared import keys
     from shared.messages import NewRequest, StepItem
 
-    text = tokenizer.encode("Hello there, general")
+    text = tokenizer.encode("Hello there, general Kenobi, you are a bold one")
     names = {name: f"{number:032x}" for number, name in enumerate(["running", "gone", "ended", "broken"])}
     new = [NewRequest(request_id=request_id, sampling=SamplingParams(max_tokens=100), entries_below=100,
                       text_context=tuple(text[:2])) for request_id in names.values()]
@@ -234,9 +236,19 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
 
     await redis_client.set(keys.token_stream(names["broken"]), "not a stream")
     reply = await publish(2, 1)
-    assert isinstance(reply[0], Exception) and "WRONGTYPE" in str(reply[0])
-    assert [fields[b"m"] for _, fields in await redis_client.xrange(keys.RESULTS_STREAM)] == [b"result 1"], \
-        "no result after an entry that failed"
+    assert not isinstance(reply[0], Exception)
+    results = [fields for _, fields in await redis_client.xrange(keys.RESULTS_STREAM)]
+    assert [fields[b"m"] for fields in results] == [b"result 1", b"result 2"]
+    assert msgpack.unpackb(results[1][b"f"], raw=False) == [names["broken"]] and b"f" not in results[0]
     assert [entry_id for entry_id, _ in await redis_client.xrange(keys.token_stream(names["running"]))] == \
         [b"0-2"], "index 1's entry: written before (0-2 is its id)"
+    assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 2
+
+    await redis_client.config_set("maxmemory", 1)
+    try:
+        reply = await publish(3, 2)
+    finally:
+        await redis_client.config_set("maxmemory", 0)
+    assert isinstance(reply[0], OutOfMemoryError), reply
+    assert len(await redis_client.xrange(keys.RESULTS_STREAM)) == 2, "no result while Redis refuses writes"
     assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 2

@@ -30,7 +30,8 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from redis.exceptions import RedisError
+import msgpack
+from redis.exceptions import RedisError, ResponseError
 
 from services.scheduler.held_results import ResultHolding
 from services.scheduler.liveness import WorkerLiveness
@@ -41,6 +42,7 @@ from services.scheduler.redis_link import (
     REDIS_SLACK_SECONDS,
     RedisLink,
     RedisWritesRefused,
+    TOKEN_ENTRY,
     SchedulerStateError,
     Write,
     bounded,
@@ -242,6 +244,8 @@ class SchedulerService:
             finally:
                 self.phase_cpu["decode"] += time.process_time() - started
             self._apply_result(result)
+            if b"f" in fields:
+                self._entries_failed(fields[b"f"])
 
     def _cancel(self, request_id: str) -> None:
         self.link.extend(self.holding.release(request_id))
@@ -272,6 +276,20 @@ class SchedulerService:
 
     def _write_failed(self, write: Write, error: Exception) -> None:
         self.outputs.write_failed(write, error)
+
+    def _entries_failed(self, data: bytes) -> None:
+        """Requests whose token entry a worker could not write, for its key (a result's field `f`:
+        services/worker/token_writer.py): they fail, as when a write of the scheduler's fails so."""
+        try:
+            request_ids = msgpack.unpackb(data, raw=False)
+        except Exception:  # msgpack raises several unrelated types for bad input
+            request_ids = None
+        if not isinstance(request_ids, list):
+            log.warning("malformed_failed_entries data=%r", data[:100])
+            return
+        for request_id in filter(None, map(keys.valid_request_id, request_ids)):
+            self._write_failed(Write(TOKEN_ENTRY, (keys.token_stream(request_id),), {}, request_id),
+                               ResponseError("a worker's token entry failed for its key"))
 
     # The heartbeat
 

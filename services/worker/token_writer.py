@@ -25,28 +25,41 @@ from shared.messages import BatchPlan, NewRequest
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire import encode_token_event
 
-# Per entry of msgpack columns [stream keys, entry ids, payloads, request keys]: XADD, unless the
-# request is gone (its hash expired: nobody reads it; the entry would only leave a key behind). A
-# stream of a request that ended (its hash has a time to live) that is not there any more is made
-# again with the hash's time to live. An entry written before is skipped. Any other error stops the
-# script before the result is added, and comes back as its reply: the worker sends it all again.
-# Then XADD of the result: KEYS[1] the results stream, ARGV[2] the result, ARGV[3] the stream's
-# approximate length. (EVAL with the script's text: a restarted Redis has no script cache.)
+# Per entry of msgpack columns [stream keys, entry ids, payloads, request keys, request ids]: XADD,
+# unless the request is gone (its hash expired: nobody reads it; the entry would only leave a key
+# behind). A stream of a request that ended (its hash has a time to live) that is not there any
+# more is made again with the hash's time to live. An entry written before is skipped. Redis
+# refusing writes (out of memory, a read-only replica, failing persistence) stops the script before
+# the result is added, and comes back as its reply: the worker sends it all again. An entry that
+# fails for its key (a key of the wrong type) is left out and its request named in the result's
+# field `f` (msgpack list of ids): the scheduler fails that request, as for its own writes. Then XADD
+# of the result: KEYS[1] the results stream, ARGV[2] the result, ARGV[3] the stream's approximate
+# length. (EVAL with the script's text: a restarted Redis has no script cache.)
 WRITE_SCRIPT = """
 local columns = cmsgpack.unpack(ARGV[1])
 local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], columns[3], columns[4]
+local refusals = {'OOM', 'READONLY', 'MISCONF', 'NOREPLICAS', 'MASTERDOWN'}
+local failed = {}
 for i = 1, #stream_keys do
   local ttl = redis.call('PTTL', request_keys[i])
   if ttl ~= -2 then
     local reply = redis.pcall('XADD', stream_keys[i], entry_ids[i], 'm', payloads[i])
     if type(reply) == 'table' and reply.err then
       if not string.find(reply.err, 'equal or smaller', 1, true) then
-        return reply
+        for _, prefix in ipairs(refusals) do
+          if string.sub(reply.err, 1, #prefix) == prefix then
+            return reply
+          end
+        end
+        failed[#failed + 1] = columns[5][i]
       end
     elseif ttl >= 0 and redis.call('PTTL', stream_keys[i]) == -1 then
       redis.call('PEXPIRE', stream_keys[i], ttl)
     end
   end
+end
+if #failed > 0 then
+  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2], 'f', cmsgpack.pack(failed))
 end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2])
 """
@@ -56,6 +69,7 @@ return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2])
 class _Row:
     """A request this worker writes token entries for (from its NewRequest to its free)."""
 
+    request_id: str
     stream_key: str  # its token stream's
     request_key: str  # its hash's (the script writes nothing for a request whose hash is gone)
     next_index: int  # the output index whose entry this worker writes next
@@ -117,7 +131,7 @@ class TokenWriter:
     def entries(self, writes: list[Write]) -> bytes:
         """The entries, in order, as WRITE_SCRIPT's first argument. (use_bin_type=False: Redis's
         Lua cmsgpack reads only the raw string type.)"""
-        stream_keys, entry_ids, payloads, request_keys = [], [], [], []
+        stream_keys, entry_ids, payloads, request_keys, request_ids = [], [], [], [], []
         for row, index, token_id in writes:
             detokenizer = row.detokenizer
             if detokenizer is None:
@@ -127,9 +141,10 @@ class TokenWriter:
             entry_ids.append(f"0-{index + 1}")
             payloads.append(encode_token_event(index, token_id, piece))
             request_keys.append(row.request_key)
-        return msgpack.packb([stream_keys, entry_ids, payloads, request_keys], use_bin_type=False)
+            request_ids.append(row.request_id)
+        return msgpack.packb([stream_keys, entry_ids, payloads, request_keys, request_ids], use_bin_type=False)
 
 
 def _row(new: NewRequest) -> _Row:
-    return _Row(keys.token_stream(new.request_id), keys.request_key(new.request_id), new.first_output_index,
-                new.entries_below, new.sampling.ignore_eos, new.text_context)
+    return _Row(new.request_id, keys.token_stream(new.request_id), keys.request_key(new.request_id),
+                new.first_output_index, new.entries_below, new.sampling.ignore_eos, new.text_context)
