@@ -150,8 +150,8 @@ def test_workers_and_the_scheduler_write_the_streams_the_scheduler_writes_alone(
     together = run(tokenizer, workers_write=True, abandon_at=abandon_at)
     assert together.read() == alone.read()
     assert alone.by_writer["worker"] == 0
-    # Most entries are the worker's: all but the last of each request it writes for, and the
-    # resumed request's first nine
+    # Most entries are the worker's: all but the last of each of the six requests it writes for
+    # (the resumed request's first nine were the scheduler's before)
     assert together.by_writer["worker"] > 2 * together.by_writer["scheduler"]
     streams = together.read()
     assert len(streams) == len(model_outputs(tokenizer))
