@@ -110,10 +110,10 @@ class RequestOutputs:
     def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str, entries_written: bool = False,
                        unwritten: frozenset[str] = frozenset()) -> None:
         """A result's tokens, in order: each one's text and token entry (and its request's end).
-        Most are the worker's, written already (PlanResult.entries_written, except `unwritten`):
-        nothing to do. The common case of the rest (nothing held back, nothing ends, no stop string
-        can end or begin in the piece, no log-probabilities) is inline here, the others in _publish;
-        one call per result, not per token."""
+        Tokens whose entry the worker wrote (PlanResult.entries_written, except `unwritten`) need
+        nothing (the policy leaves most of them out already). The common case of the rest (nothing
+        held back, nothing ends, no stop string can end or begin in the piece, no log-probabilities)
+        is inline here, the others in _publish; one call per result, not per token."""
         holding = self.holding
         if holding.enabled:  # the request-level baseline: its writes wait for its batch
             for outcome in outcomes:

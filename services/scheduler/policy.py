@@ -183,7 +183,8 @@ class SchedulerPolicy:
         existing = self._requests.get(record.request_id)
         if existing is not None:
             return existing
-        state = RequestState(record=record, arrival_seq=self._arrivals, output_token_ids=list(output_token_ids))
+        state = RequestState(record=record, arrival_seq=self._arrivals, output_token_ids=list(output_token_ids),
+                             workers_write=self.workers_write_entries(record.sampling))
         self._arrivals += 1
         reason: FinishReason | None
         if not record.prompt_token_ids:
@@ -386,7 +387,8 @@ class SchedulerPolicy:
         return self._emit_plan(batch)
 
     def on_result(self, result: PlanResult) -> list[TokenOutcome]:
-        """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided."""
+        """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided;
+        the tokens whose output is still to write (not those whose entry the worker wrote)."""
         worker = self._workers.get(result.worker_id)
         flight = worker.in_flight[0] if worker is not None and worker.in_flight else None
         if (
@@ -421,6 +423,8 @@ class SchedulerPolicy:
         outcomes: list[TokenOutcome] = []
         running, placements, prefix_caching = worker.running, flight.placements, self.prefix_caching
         stop_token_ids, context_length = self.stop_token_ids, self.context_length
+        # The worker wrote the token entries of the requests it writes for, all but these (None: none)
+        written_but = result.unwritten if result.entries_written else None
         for request_id, token_ids, start_position, sample, output_index, _ in flight.plan.items:
             state = running.get(request_id)
             if state is None or state.placement != placements.get(request_id):
@@ -454,6 +458,8 @@ class SchedulerPolicy:
                 reason = self._finish_reason_after_output(state)
                 if reason is not None:
                     self._end(state, reason)
+            elif written_but is not None and state.workers_write and request_id not in written_but:
+                continue  # its worker wrote its token entry: nothing is left to do with the token
             else:
                 reason = None
             outcomes.append(TokenOutcome(state, token_id, output_index, reason, token.logprob, token.top_logprobs))

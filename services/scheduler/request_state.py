@@ -34,6 +34,7 @@ class RequestState:
     stepped_on_worker: bool = False  # has had a step on its current worker (for IterationRecord.joined)
     item_errors: int = 0  # worker errors on its items; too many fail the request
     workers_lost: int = 0  # workers that died while it ran on them; too many fail it
+    workers_write: bool = False  # its workers write its token entries (SchedulerPolicy.workers_write_entries)
 
     # Copied from the record once: read for every request at every step (the record never changes).
     request_id: str = field(init=False)
