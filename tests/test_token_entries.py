@@ -72,9 +72,12 @@ class Streams:
                              for entry_id, payload in entries] for stream_key, entries in self.entries.items()}
 
 
-def run(tokenizer, workers_write: bool, abandon_at: int | None = None) -> Streams:
+def run(tokenizer, workers_write: bool, abandon_at: int | None = None, out_of_step: float = 0.0) -> Streams:
     """Every request to its end through one worker with two plans in flight; abandon_at: after that
-    many plans, the worker's plans in flight are given up (it runs them anyway)."""
+    many plans, the worker's plans in flight are given up (it runs them anyway); out_of_step: the
+    chance that the worker finds a token out of step with its text (it writes none of that request's
+    entries from then on, and says so: the scheduler writes them)."""
+    rng = random.Random(3)
     script = model_outputs(tokenizer)
     policy = SchedulerPolicy("epoch", context_length=CONTEXT_LENGTH, stop_token_ids=tokenizer.stop_token_ids,
                              pipeline_depth=2, max_batch_tokens=48,
@@ -107,6 +110,10 @@ def run(tokenizer, workers_write: bool, abandon_at: int | None = None) -> Stream
         sampled = {item.request_id: (tokens_of[item.request_id] + [17] * 99)[item.output_index]
                    for item in plan.items if item.sample}  # (past a request's end: what the model would say)
         writes, unwritten = writer.after_step(plan, sampled)
+        for write in [write for write in writes if rng.random() < out_of_step]:
+            writes.remove(write)
+            write[0].ended = True  # (as after_step does for a token out of step)
+            unwritten.add(next(request_id for request_id, row in writer._rows.items() if row is write[0]))
         if writes:
             for stream_key, entry_id, payload, _, _ in zip(*msgpack.unpackb(writer.entries(writes), raw=True),
                                                         strict=True):
@@ -144,12 +151,15 @@ def run(tokenizer, workers_write: bool, abandon_at: int | None = None) -> Stream
     return streams
 
 
-@pytest.mark.parametrize("abandon_at", [None, 7, 12])
-def test_workers_and_the_scheduler_write_the_streams_the_scheduler_writes_alone(tokenizer, abandon_at):
+@pytest.mark.parametrize(("abandon_at", "out_of_step"), [(None, 0.0), (7, 0.0), (12, 0.0), (None, 0.05)])
+def test_workers_and_the_scheduler_write_the_streams_the_scheduler_writes_alone(tokenizer, abandon_at, out_of_step):
     alone = run(tokenizer, workers_write=False, abandon_at=abandon_at)
-    together = run(tokenizer, workers_write=True, abandon_at=abandon_at)
+    together = run(tokenizer, workers_write=True, abandon_at=abandon_at, out_of_step=out_of_step)
     assert together.read() == alone.read()
     assert alone.by_writer["worker"] == 0
+    if out_of_step:
+        assert 10 < together.by_writer["worker"] < 2 * together.by_writer["scheduler"]
+        return
     # Most entries are the worker's: all but the last of each of the six requests it writes for
     # (the resumed request's first nine were the scheduler's before)
     assert together.by_writer["worker"] > 2 * together.by_writer["scheduler"]
