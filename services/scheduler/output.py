@@ -52,9 +52,6 @@ class OutputText:
     # it would have begun in it: text before it began none, or some would be held back), so the
     # token needs no search (publish_tokens); most tokens of most requests with stop strings.
     stop_starts: frozenset[str] = frozenset()
-    # Its workers write its token entries (SchedulerPolicy.workers_write_entries): its detokenizer
-    # here is not used; the entries written here take their text from the tokens.
-    worker_writes: bool = False
 
 
 class BoundedSet:
@@ -93,8 +90,7 @@ class RequestOutputs:
         """A request's output so far (loaded from Redis, or empty); returns its text."""
         output = OutputText(IncrementalDetokenizer(self.tokenizer, record.prompt_token_ids),
                             keys.token_stream(record.request_id),
-                            stop_starts=frozenset(stop[0] for stop in record.sampling.stop if stop),
-                            worker_writes=self.policy.workers_write_entries(record.sampling))
+                            stop_starts=frozenset(stop[0] for stop in record.sampling.stop if stop))
         for token_id in output_token_ids:
             output.detokenizer.push(token_id)
         output.emitted = emitted_text
@@ -123,7 +119,7 @@ class RequestOutputs:
             state, token_id, index, finish_reason, logprob, top_logprobs = outcome  # (no attribute reads)
             request_id = state.request_id
             output = outputs[request_id]
-            if output.worker_writes:
+            if state.workers_write:  # (its detokenizer here is not used: text comes from the tokens)
                 if not entries_written or request_id in unwritten:
                     self._publish_from_tokens(outcome, output)
                 elif finish_reason is not None:
@@ -213,7 +209,7 @@ class RequestOutputs:
         reason = state.finish_reason or "error"
         piece = ""
         output = self._outputs.get(request_id)
-        if output is not None and reason != "cancelled" and output.worker_writes:  # (no stop strings)
+        if output is not None and reason != "cancelled" and state.workers_write:  # (no stop strings)
             piece = IncrementalDetokenizer(self.tokenizer, self.tokenizer.text_context(
                 state.prompt_token_ids, state.output_token_ids)).flush()
         elif output is not None and reason != "cancelled":
