@@ -726,7 +726,7 @@ class SchedulerPolicy:
     def _new_request(self, state: RequestState) -> NewRequest:
         """A request's data for a worker that does not hold it yet."""
         cached_blocks = tuple(state.held_hashes[: state.adopted_blocks])
-        if not self.workers_write_entries(state.sampling):
+        if not state.workers_write:
             return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks)
         outputs = state.output_token_ids
         return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
