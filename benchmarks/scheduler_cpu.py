@@ -164,8 +164,8 @@ class Harness:
                         break
                     data = self.codecs[worker_id].encode(plan)
                     self.link.queue("xadd", keys.plan_stream(worker_id), {"m": data}, maxlen=1000, approximate=True)
-                    for item in plan.items:
-                        self.outputs.mark_running(item.request_id)
+                    for request_id in self.policy.joined(worker_id):
+                        self.outputs.mark_running(request_id)
                     self.seconds["encode"] += clock() - planned
                     self.in_flight[worker_id].append(self.answer(worker_id, data))
                 self.pack_writes()

@@ -40,6 +40,10 @@ HASH_BYTES = 16  # a prefix-cache block hash (services/scheduler/prefix_cache.py
 _I32, _U16 = np.dtype("<i4"), np.dtype("<u2")
 _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False  # shared by every empty field
+_RANGES = {dtype: (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max) + 1) for dtype in (_I32, _U16, np.dtype(np.uint8))}
+# A named tuple made from all its fields without its own __new__ (a Python function call): the
+# items and tokens of a decode, one per request per step.
+_new_tuple = tuple.__new__
 
 
 def _hashes(data: Any, kind: str, name: str) -> tuple[bytes, ...]:
@@ -77,7 +81,8 @@ def _ints(raw: dict, kind: str, name: str, dtype: np.dtype, low: int = 0, high: 
     if len(data) % dtype.itemsize:
         raise WireError(f"{kind}: field {name!r} is not a whole number of {dtype}")
     values = np.frombuffer(data, dtype=dtype).astype(np.int64)
-    if values.size and (values.min() < low or values.max() >= high):
+    smallest, past_largest = _RANGES[dtype]  # (a bound the type itself keeps needs no pass over the values)
+    if low > smallest and values.min() < low or high < past_largest and values.max() >= high:
         raise WireError(f"{kind}: field {name!r} outside [{low}, {high})")
     return values
 
@@ -139,19 +144,20 @@ class PlanCodec:
         decode_handles, decode_outputs = [], []
         handles, starts, counts, samples, outputs, tokens = [], [], [], [], [], []
         sent = self._sent[plan.plan_id] = {}
-        for item in plan.items:
-            handle = self._handle_of[item.request_id]
-            sent[handle] = item.request_id
-            if item.feeds_sampled and item.sample:
+        handle_of = self._handle_of
+        for request_id, token_ids, start_position, sample, output_index, feeds_sampled in plan.items:
+            handle = handle_of[request_id]
+            sent[handle] = request_id
+            if feeds_sampled and sample:
                 decode_handles.append(handle)
-                decode_outputs.append(item.output_index)
+                decode_outputs.append(output_index)
             else:
                 handles.append(handle)
-                starts.append(item.start_position)
-                counts.append(len(item.token_ids))
-                samples.append(item.sample)
-                outputs.append(item.output_index)
-                tokens.extend(item.token_ids)
+                starts.append(start_position)
+                counts.append(len(token_ids))
+                samples.append(sample)
+                outputs.append(output_index)
+                tokens.extend(token_ids)
         message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
                    "a": plan.free_all, "n": new, "x": _array(freed, _U16),
                    "dh": _array(decode_handles, _U16), "do": _array(decode_outputs, _I32)}
@@ -186,8 +192,8 @@ class PlanCodec:
                     logprob, top = logprobs.get(position, (None, ()))
                     tokens.append(SampledToken(request_id, token_id, output_index, logprob, top))
         else:  # (most results: a token and its index per request)
-            tokens = [SampledToken(request_id, token_id, output_index) for handle, token_id, output_index in columns
-                      if (request_id := sent.get(handle)) is not None]
+            tokens = [_new_tuple(SampledToken, (request_id, token_id, output_index, None, ()))
+                      for handle, token_id, output_index in columns if (request_id := sent.get(handle)) is not None]
         errors = []
         for entry in _field(raw, kind, "x", list, []):
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
@@ -328,7 +334,7 @@ class PlanReader:
             if request_id is None:
                 unknown.append((handle, "a decode for a handle this worker does not hold"))
                 continue
-            items.append(StepItem(request_id, (), kv_length(request_id), True, output_index, True))
+            items.append(_new_tuple(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
             item_handles.append(handle)
         handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
         starts, counts = _ints(raw, kind, "s", _I32), _ints(raw, kind, "c", _I32, 1)
@@ -363,18 +369,18 @@ class PlanReader:
         (request id, code, message) of the items that did not run; unwritten: None when this worker
         wrote no token entry, else the requests whose token entries it was to write and did not."""
         handles, token_ids, output_indices, logprob_entries, unwritten_handles = [], [], [], [], []
-        for item, handle in zip(decoded.plan.items, decoded.item_handles):
-            token = tokens.get(item.request_id)
+        for (request_id, _, _, _, output_index, _), handle in zip(decoded.plan.items, decoded.item_handles):
+            token = tokens.get(request_id)
             if token is None:
                 continue
-            if unwritten and item.request_id in unwritten:
+            if unwritten and request_id in unwritten:
                 unwritten_handles.append(handle)  # (as the plan named it: a later plan may have freed it)
-            if item.request_id in logprobs:
-                logprob, top = logprobs[item.request_id]
+            if logprobs and request_id in logprobs:
+                logprob, top = logprobs[request_id]
                 logprob_entries.append([len(handles), logprob, [list(pair) for pair in top]])
             handles.append(handle)
             token_ids.append(token)
-            output_indices.append(item.output_index)
+            output_indices.append(output_index)
         error_entries = [[self._handle_of.get(request_id, MAX_HANDLE), code, message]
                          for request_id, code, message in errors]
         error_entries += [[handle, "unknown_request", message] for handle, message in decoded.unknown]

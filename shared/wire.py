@@ -5,6 +5,7 @@ text]` unless it carries more): the scheduler writes one per output token, so th
 on its hot path and their size on Redis's; they are validated where they are read.
 """
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import msgpack
@@ -60,6 +61,13 @@ def encode_token_event(index: int, token_id: int, text: str, finish_reason: str 
     while len(fields) > 3 and fields[-1] == _TOKEN_EVENT_DEFAULTS[len(fields) - 4]:
         fields.pop()
     return _PACKER.pack(fields)
+
+
+def encode_plain_token_events(indexes: Iterable[int], token_ids: Iterable[int], texts: Iterable[str]) -> list[bytes]:
+    """encode_token_event of many entries that carry only a token and its text (no finish, usage or
+    logprobs: the rest are defaults, left off), in one call."""
+    pack = _PACKER.pack
+    return [pack(fields) for fields in zip(indexes, token_ids, texts)]
 
 
 def decode_token_event(data: bytes):

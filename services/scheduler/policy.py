@@ -104,6 +104,9 @@ class _Batch:
 
 
 _FCFS_KEY = operator.attrgetter("fcfs_key")
+# A named tuple made from its fields without its own __new__ (a Python function): one per request per step.
+_new_tuple = tuple.__new__
+_REQUEST_ID = operator.itemgetter(0)  # a SampledToken's
 
 
 def status_for(reason: FinishReason) -> Literal["finished", "cancelled", "failed"]:
@@ -184,7 +187,9 @@ class SchedulerPolicy:
         if existing is not None:
             return existing
         state = RequestState(record=record, arrival_seq=self._arrivals, output_token_ids=list(output_token_ids),
-                             workers_write=self.workers_write_entries(record.sampling))
+                             workers_write=self.workers_write_entries(record.sampling),
+                             output_limit=length_limit(record.sampling.max_tokens, len(record.prompt_token_ids),
+                                                       self.context_length))
         self._arrivals += 1
         reason: FinishReason | None
         if not record.prompt_token_ids:
@@ -386,6 +391,11 @@ class SchedulerPolicy:
             return None  # (a pending free_all waits for the first plan with work)
         return self._emit_plan(batch)
 
+    def joined(self, worker_id: str) -> tuple[str, ...]:
+        """The requests of the worker's latest plan that step on it for the first time."""
+        worker = self._workers.get(worker_id)
+        return worker.in_flight[-1].joined if worker is not None and worker.in_flight else ()
+
     def on_result(self, result: PlanResult) -> list[TokenOutcome]:
         """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided;
         the tokens whose output is still to write (not those whose entry the worker wrote)."""
@@ -419,15 +429,16 @@ class SchedulerPolicy:
             log.warning("worker_cache_reset worker_id=%s plan_id=%d", worker.worker_id, flight.plan.plan_id)
             self.reset_worker(worker.worker_id)
             return []
-        sampled = {token.request_id: token for token in result.tokens}
+        sampled = dict(zip(map(_REQUEST_ID, result.tokens), result.tokens))
         outcomes: list[TokenOutcome] = []
-        running, placements, prefix_caching = worker.running, flight.placements, self.prefix_caching
-        stop_token_ids, context_length = self.stop_token_ids, self.context_length
+        running, prefix_caching = worker.running, self.prefix_caching
+        stop_token_ids, block_size = self.stop_token_ids, worker.kv_block_size
         # The worker wrote the token entries of the requests it writes for, all but these (None: none)
         written_but = result.unwritten if result.entries_written else None
-        for request_id, token_ids, start_position, sample, output_index, _ in flight.plan.items:
+        for (request_id, token_ids, start_position, sample, output_index, _), placement in zip(flight.plan.items,
+                                                                                               flight.placements):
             state = running.get(request_id)
-            if state is None or state.placement != placements.get(request_id):
+            if state is None or state.placement != placement:
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
             if sample:
                 state.in_flight_samples -= 1
@@ -438,23 +449,22 @@ class SchedulerPolicy:
                     continue
             if prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
                 end = start_position + (len(token_ids) or 1)  # (a fed-back token: one)
-                if end // worker.kv_block_size > len(state.held_hashes):
+                if end // block_size > len(state.held_hashes):
                     self._register_blocks(worker, state, end)
             if not sample:
                 continue
             token = sampled.get(request_id)
             output = state.output_token_ids
-            if token is None or token.output_index != output_index or output_index > len(output):
+            if token is None or token.output_index != output_index or output_index != len(output):
+                if token is not None and token.output_index == output_index < len(output):
+                    continue  # already have it
                 self._on_item_error(worker, state, "bad_item",
                                     f"expected a token at output_index {output_index}, got {token}")
                 continue
-            if output_index < len(output):
-                continue  # already have it
             token_id = token.token_id
             output.append(token_id)
             # (_finish_reason_after_output's first test, inline: most tokens end nothing)
-            if (token_id in stop_token_ids or len(output) >= state.sampling.max_tokens
-                    or state.prompt_length + len(output) >= context_length):
+            if token_id in stop_token_ids or len(output) >= state.output_limit:
                 reason = self._finish_reason_after_output(state)
                 if reason is not None:
                     self._end(state, reason)
@@ -472,15 +482,17 @@ class SchedulerPolicy:
         worker = batch.worker
         running, chunks, staged = worker.running, batch.chunks, worker.stages > 1
         # Decodes first (its next step feeds only the token its previous step samples), then the
-        # rest, FCFS within each: a stable split of the FCFS order, with no key function per request.
+        # rest, FCFS within each: a stable split of the FCFS order, with no key function per request
+        # (RequestState.is_decoding, inline: a property call per request per step costs more).
         by_arrival = sorted(running.values(), key=_FCFS_KEY)
-        order = [state for state in by_arrival if state.is_decoding]
+        order = [state for state in by_arrival if (state.output_token_ids or state.in_flight_samples) and state.computed
+                 == state.prompt_length + len(state.output_token_ids) + state.in_flight_samples - 1]
         if len(order) < len(by_arrival):
             order.extend(state for state in by_arrival if not state.is_decoding)
         # Pipeline stages: the requests whose token is not on its way, in lanes of about 1/stages
         # of the worker's requests, so each stage has a plan's worth while the others run theirs.
         lane = -(-len(running) // worker.stages) if staged else len(running)
-        context_length, block_size = self.context_length, worker.kv_block_size
+        block_size = worker.kv_block_size
         for state in order:
             if batch.budget <= 0 or len(chunks) >= lane:
                 break
@@ -490,8 +502,7 @@ class SchedulerPolicy:
             if pending <= 0 or state.request_id not in running:
                 continue  # preempted to make room for an older one
             # Its last token is being sampled (max_tokens or the context reached), or (stages) its next input.
-            if in_flight and (staged or outputs >= state.sampling.max_tokens
-                              or state.prompt_length + outputs >= context_length):
+            if in_flight and (staged or outputs >= state.output_limit):
                 continue
             chunk = min(pending, batch.budget)
             # (Within the blocks it holds, as most decode steps are, it needs no room: tested here
@@ -665,8 +676,7 @@ class SchedulerPolicy:
 
     def _emit_plan(self, batch: _Batch) -> BatchPlan:
         worker = batch.worker
-        items, joined = [], []
-        placements: dict[str, int] = {}
+        items, joined, placements = [], [], []
         prefill_tokens = decode_tokens = 0
         running = worker.running
         for request_id, chunk in batch.chunks.items():
@@ -685,14 +695,14 @@ class SchedulerPolicy:
             if in_flight:  # its input is the token a plan in flight samples
                 if chunk != 1:  # the bookkeeping is broken: better to stop than plan on it
                     raise RuntimeError(f"{request_id}: {chunk} tokens pending behind a token sampled in flight")
-                items.append(StepItem(request_id, (), start, True, outputs + in_flight, True))
+                items.append(_new_tuple(StepItem, (request_id, (), start, True, outputs + in_flight, True)))
                 state.in_flight_samples += 1
             else:
                 sample = end == state.prompt_length + outputs
                 items.append(StepItem(request_id, state.tokens(start, end), start, sample, outputs))
                 state.in_flight_samples += sample
             state.computed = end
-            placements[request_id] = state.placement
+            placements.append(state.placement)
         new_requests = [
             self._new_request(state) for request_id, state in running.items() if request_id not in worker.known
         ] if not worker.known.issuperset(running) else []  # (one set operation in the common case)
@@ -714,7 +724,7 @@ class SchedulerPolicy:
         worker.to_evict.clear()
         worker.free_all = False
         worker.in_flight.append(PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens,
-                                             placements))
+                                             tuple(placements)))
         return plan
 
     def workers_write_entries(self, sampling: SamplingParams) -> bool:
@@ -730,18 +740,16 @@ class SchedulerPolicy:
             return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks)
         outputs = state.output_token_ids
         return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
-                          entries_below=max(len(outputs), length_limit(state.sampling.max_tokens,
-                                                                       state.prompt_length, self.context_length)),
+                          entries_below=max(len(outputs), state.output_limit),
                           first_output_index=len(outputs),
                           text_context=self._text_context(state.prompt_token_ids, outputs))
 
     # Internals: request lifecycle
 
     def _finish_reason_after_output(self, state: RequestState) -> FinishReason | None:
-        output, sampling = state.output_token_ids, state.sampling
-        return finish_reason(output[-1], len(output), length_limit(sampling.max_tokens, state.prompt_length,
-                                                                   self.context_length),
-                             self.stop_token_ids, sampling.ignore_eos)
+        output = state.output_token_ids
+        return finish_reason(output[-1], len(output), state.output_limit, self.stop_token_ids,
+                             state.sampling.ignore_eos)
 
     def _on_item_error(self, worker: WorkerState, state: RequestState, code: str, message: str) -> None:
         state.item_errors += code not in ("kv_cache_full", "out_of_memory")  # reasons to wait, not faults

@@ -35,6 +35,7 @@ class RequestState:
     item_errors: int = 0  # worker errors on its items; too many fail the request
     workers_lost: int = 0  # workers that died while it ran on them; too many fail it
     workers_write: bool = False  # its workers write its token entries (SchedulerPolicy.workers_write_entries)
+    output_limit: int = 0  # output tokens at which it ends by length (shared/finishing.py's length_limit)
 
     # Copied from the record once: read for every request at every step (the record never changes).
     request_id: str = field(init=False)
@@ -97,7 +98,7 @@ class PlanInFlight:
     joined: tuple[str, ...]
     prefill_tokens: int
     decode_tokens: int
-    placements: dict[str, int] = field(default_factory=dict)  # request id -> its placement when sent
+    placements: tuple[int, ...] = ()  # each item's request's placement when sent (RequestState.placement)
 
 
 @dataclass(eq=False)

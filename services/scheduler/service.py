@@ -204,8 +204,8 @@ class SchedulerService:
         codec = self.codecs.setdefault(worker_id, PlanCodec())
         self.link.queue("xadd", keys.plan_stream(worker_id), {"m": codec.encode(plan)},
                         maxlen=PLAN_STREAM_MAXLEN, approximate=True)
-        for item in plan.items:
-            self.outputs.mark_running(item.request_id)
+        for request_id in self.policy.joined(worker_id):  # (the others have stepped before: marked then)
+            self.outputs.mark_running(request_id)
         self.phase_cpu["encode"] += time.process_time() - planned
         log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
                   len(plan.items), len(plan.new_requests), len(plan.free_request_ids))

@@ -23,7 +23,7 @@ from shared import keys
 from shared.finishing import finish_reason
 from shared.messages import BatchPlan, NewRequest
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
-from shared.wire import encode_token_event
+from shared.wire import encode_plain_token_events
 
 # Per entry of msgpack columns [stream keys, entry ids, payloads, request keys, request ids]: XADD,
 # unless the request is gone (its hash expired: nobody reads it; the entry would only leave a key
@@ -121,7 +121,9 @@ class TokenWriter:
                 row.ended = row.ended or index > row.next_index
                 continue
             row.next_index = index + 1
-            if finish_reason(token_id, index + 1, row.entries_below, stop_token_ids, row.ignore_eos) is not None:
+            # (finish_reason's tests first, inline: most tokens end nothing)
+            if (token_id in stop_token_ids or index + 1 >= row.entries_below) and finish_reason(
+                    token_id, index + 1, row.entries_below, stop_token_ids, row.ignore_eos) is not None:
                 row.ended = True  # its entry is the scheduler's; tokens sampled past it are nobody's
                 unwritten.add(item.request_id)
                 continue
@@ -131,18 +133,16 @@ class TokenWriter:
     def entries(self, writes: list[Write]) -> bytes:
         """The entries, in order, as WRITE_SCRIPT's first argument. (use_bin_type=False: Redis's
         Lua cmsgpack reads only the raw string type.)"""
-        stream_keys, entry_ids, payloads, request_keys, request_ids = [], [], [], [], []
-        for row, index, token_id in writes:
-            detokenizer = row.detokenizer
-            if detokenizer is None:
-                detokenizer = row.detokenizer = IncrementalDetokenizer(self.tokenizer, row.context)
-            piece = detokenizer.push(token_id)
-            stream_keys.append(row.stream_key)
-            entry_ids.append(f"0-{index + 1}")
-            payloads.append(encode_token_event(index, token_id, piece))
-            request_keys.append(row.request_key)
-            request_ids.append(row.request_id)
-        return msgpack.packb([stream_keys, entry_ids, payloads, request_keys, request_ids], use_bin_type=False)
+        for row, _, _ in writes:
+            if row.detokenizer is None:
+                row.detokenizer = IncrementalDetokenizer(self.tokenizer, row.context)
+        indexes = [index for _, index, _ in writes]
+        token_ids = [token_id for _, _, token_id in writes]
+        pieces = [row.detokenizer.push(token_id) for row, _, token_id in writes]  # (in order: a row's text goes on)
+        return msgpack.packb([[row.stream_key for row, _, _ in writes], [f"0-{index + 1}" for index in indexes],
+                              encode_plain_token_events(indexes, token_ids, pieces),
+                              [row.request_key for row, _, _ in writes], [row.request_id for row, _, _ in writes]],
+                             use_bin_type=False)
 
 
 def _row(new: NewRequest) -> _Row:
