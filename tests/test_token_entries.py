@@ -204,8 +204,8 @@ def _plan(epoch: str, plan_id: int, new=(), items=(), free=()):
 async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a_request_gone(redis_client,
                                                                                               tokenizer):
     """A worker's write (WRITE_SCRIPT, one EVAL): its entries, then its result; none for a request
-    whose hash is gone (no key is made); a stream gone from a request that ended is made again with
-    the hash's time to live; an entry written before is skipped; an entry that fails for its key is
+    whose hash is gone (no key is made; a stream that is there takes it, keeping its expiry); a stream
+    gone from a request that ended is made again with the hash's time to live; an entry written before is skipped; an entry that fails for its key is
     left out and its request named with the result; Redis refusing writes stops the script before
     the result (the worker sends it all again)."""
     from services.worker.token_writer import WRITE_SCRIPT
@@ -245,6 +245,7 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
     assert [fields[b"m"] for _, fields in await redis_client.xrange(keys.RESULTS_STREAM)] == [b"result 1"]
 
     await redis_client.set(keys.token_stream(names["broken"]), "not a stream")
+    await redis_client.delete(keys.request_key(names["ended"]))  # its stream is there, with its expiry
     reply = await publish(2, 1)
     assert not isinstance(reply[0], Exception)
     results = [fields for _, fields in await redis_client.xrange(keys.RESULTS_STREAM)]
@@ -253,6 +254,7 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
     assert [entry_id for entry_id, _ in await redis_client.xrange(keys.token_stream(names["running"]))] == \
         [b"0-2"], "index 1's entry: written before (0-2 is its id)"
     assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 2
+    assert 0 < await redis_client.pttl(keys.token_stream(names["ended"])) <= 50_000, "a stream there keeps its expiry"
 
     await redis_client.config_set("maxmemory", 1)
     try:

@@ -25,15 +25,15 @@ from shared.messages import BatchPlan, NewRequest
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire import encode_plain_token_events
 
-# Per entry of msgpack columns [stream keys, entry ids, payloads, request keys, request ids]: XADD,
-# unless the request is gone (its hash expired: nobody reads it; the entry would only leave a key
-# behind). A stream of a request that ended (its hash has a time to live) that is not there any
-# more is made again with the hash's time to live. An entry written before is skipped. Redis
-# refusing writes (out of memory, a read-only replica, failing persistence) stops the script before
-# the result is added, and comes back as its reply: the worker sends it all again. An entry that
-# fails for its key (a key of the wrong type) is left out and its request named in the result's
-# field `f` (msgpack list of ids): the scheduler fails that request, as for its own writes. Then XADD
-# of the result: KEYS[1] the results stream, ARGV[2] the result, ARGV[3] the stream's approximate
+# Per entry of msgpack columns [stream keys, entry ids, payloads, request keys, request ids]: XADD to
+# a stream that is there (NOMKSTREAM: one command for most entries, which changes no key's time to
+# live). A stream that is not is made only for a request whose hash is there (a hash gone: nobody
+# reads it; the entry would only leave a key behind without an expiry), and given the hash's time
+# to live if its request ended. An entry written before is skipped. Redis refusing writes (out of
+# memory, a read-only replica, failing persistence) stops the script before the result is added, and
+# comes back as its reply: the worker sends it all again. An entry that fails for its key (a key of
+# the wrong type) is left out and its request named in the result's field `f` (msgpack list of ids):
+# the scheduler fails that request, as for its own writes. Then XADD of the result: KEYS[1] the results stream, ARGV[2] the result, ARGV[3] the stream's approximate
 # length. (EVAL with the script's text: a restarted Redis has no script cache.)
 WRITE_SCRIPT = """
 local columns = cmsgpack.unpack(ARGV[1])
@@ -41,21 +41,23 @@ local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], c
 local refusals = {'OOM', 'READONLY', 'MISCONF', 'NOREPLICAS', 'MASTERDOWN'}
 local failed = {}
 for i = 1, #stream_keys do
-  local ttl = redis.call('PTTL', request_keys[i])
-  if ttl ~= -2 then
-    local reply = redis.pcall('XADD', stream_keys[i], entry_ids[i], 'm', payloads[i])
-    if type(reply) == 'table' and reply.err then
-      if not string.find(reply.err, 'equal or smaller', 1, true) then
-        for _, prefix in ipairs(refusals) do
-          if string.sub(reply.err, 1, #prefix) == prefix then
-            return reply
-          end
-        end
-        failed[#failed + 1] = columns[5][i]
+  local reply = redis.pcall('XADD', stream_keys[i], 'NOMKSTREAM', entry_ids[i], 'm', payloads[i])
+  if reply == false then
+    local ttl = redis.call('PTTL', request_keys[i])
+    if ttl ~= -2 then
+      reply = redis.pcall('XADD', stream_keys[i], entry_ids[i], 'm', payloads[i])
+      if ttl >= 0 and type(reply) ~= 'table' then
+        redis.call('PEXPIRE', stream_keys[i], ttl)
       end
-    elseif ttl >= 0 and redis.call('PTTL', stream_keys[i]) == -1 then
-      redis.call('PEXPIRE', stream_keys[i], ttl)
     end
+  end
+  if type(reply) == 'table' and reply.err and not string.find(reply.err, 'equal or smaller', 1, true) then
+    for _, prefix in ipairs(refusals) do
+      if string.sub(reply.err, 1, #prefix) == prefix then
+        return reply
+      end
+    end
+    failed[#failed + 1] = columns[5][i]
   end
 end
 if #failed > 0 then
