@@ -491,10 +491,11 @@ def test_control_plane_figures_from_two_status_snapshots():
     report = {"quick": False, "machine": {"cores": 2}, "date": "d", "largest_busy_fleet": {"h100-llama3-8b": 0},
               "sizes": {"requests_per_worker": 96, "prompt_tokens": 32, "output_tokens": 256, "max_batch_size": 64,
                         "pipeline_depth": 2, "seconds": 10, "warmup_seconds": 5},
-              "pool": [{"profile": "h100-llama3-8b", "workers": 2, **figures}]}
+              "pool": [{"profile": "h100-llama3-8b", "workers": 2, **figures,
+                        "cpu_us_per_iteration_by_component": {"worker": 321.4, "redis": 123.0, "scheduler": 1500.0}}]}
     text = markdown(report)
     assert "EMULATED" in text and "| h100-llama3-8b | 5.00 | 2 | 48.0 | 0.80 | 0.88 | 200 | 30% | 1500 | 500 |" in text
-    assert "| 0.75 | 1.20 |" in text  # round trips per worker-iteration, then the gap
+    assert "| 0.75 | 1.20 | 321 | 123 |" in text  # round trips and the gap per worker-iteration, the CPU of others
     assert "2 plans in flight per worker" in text
 
 
@@ -512,4 +513,7 @@ def test_control_plane_case_keeps_an_emulated_worker_fed_and_measures_it():
     assert row["mean_batch"] > 32, "96 active requests per worker: its batch of 64 fills up"
     assert 4.0 < row["mean_decode_step_ms"] < 9.0, "h100-llama3-8b decode steps take 6-7 ms"
     assert row["scheduler_cpu_us_per_iteration"] > 0
+    by_component = row["cpu_us_per_iteration_by_component"]
+    assert by_component["worker"] > 0 and by_component["redis"] > 0
+    assert by_component["scheduler"] == pytest.approx(row["scheduler_cpu_us_per_iteration"], rel=0.3)
     assert sum(row["phase_cpu_us_per_iteration"].values()) <= row["scheduler_cpu_us_per_iteration"] * 1.05

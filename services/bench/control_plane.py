@@ -207,12 +207,19 @@ async def pool_case(profile: str, workers: int, sizes: Sizes, seed: int) -> dict
         feeding = asyncio.create_task(feeder.run())
         try:
             await asyncio.sleep(sizes.warmup_seconds)
+            cpu_before = server.cpu_seconds()
             before, after = await _window(server.url, sizes.seconds)
+            cpu_after = server.cpu_seconds()
         finally:
             await feeder.stop()
             await feeding
             await feeder.aclose()
         figures = measure(before, after, iteration_records(server.redis_url))
+        # Where the host's CPU goes (on a machine of few cores, every process's is the fleet's): each
+        # kind of process's CPU time in the window per worker-iteration, the workers' summed.
+        figures["cpu_us_per_iteration_by_component"] = {
+            name: 1e6 * (seconds - cpu_before.get(name, 0.0)) / figures["iterations"]
+            for name, seconds in cpu_after.items() if figures["iterations"]}
         executors = {(worker["executor"], worker.get("hardware")) for worker in after["workers"]}
     if executors != {("emulated", profile)}:
         raise RuntimeError(f"expected emulated {profile} workers, /status says {executors}")
@@ -242,6 +249,11 @@ async def http_case(sizes: Sizes, seed: int) -> dict:
             "cpu_seconds_by_component": cpu, **figures}
 
 
+def _component_cpu(row: dict, name: str) -> str:
+    value = row.get("cpu_us_per_iteration_by_component", {}).get(name)
+    return "" if value is None else f"{value:.0f}"
+
+
 def largest_busy_fleet(rows: list[dict], profile: str) -> int:
     """The largest fleet whose every worker was at least 95% busy (0: not even one)."""
     kept = [row["workers"] for row in rows if row["profile"] == profile and row["busy_min"] >= BUSY_TARGET]
@@ -267,8 +279,9 @@ def markdown(report: dict) -> str:
         f"{report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
         "| profile (emulated) | step ms | workers | batch | busy min | busy mean | plans/s | scheduler CPU | "
-        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | gap ms / it |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | gap ms / it | "
+        "workers' CPU µs / it | Redis's CPU µs / it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         phases = row["phase_cpu_us_per_iteration"]
@@ -277,7 +290,8 @@ def markdown(report: dict) -> str:
             f"{row['busy_min']:.2f} | {row['busy_mean']:.2f} | {row['plans_per_s']:.0f} | "
             f"{row['scheduler_cpu_share']:.0%} | {row['scheduler_cpu_us_per_iteration']:.0f} | "
             + " | ".join(f"{phases[phase]:.0f}" for phase in PHASES)
-            + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row['gap_ms_per_iteration'], 2)} |")
+            + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row['gap_ms_per_iteration'], 2)} | "
+            f"{_component_cpu(row, 'worker')} | {_component_cpu(row, 'redis')} |")
     lines += ["", "Largest fleet one scheduler keeps every worker at least 95% busy:", ""]
     for profile, fleet in report["largest_busy_fleet"].items():
         lines.append(f"- {profile} (emulated): {fleet or 'none of the fleets measured'}")
@@ -296,7 +310,8 @@ def markdown(report: dict) -> str:
         "/status busy_seconds); plans/s = worker-iterations through the scheduler; scheduler CPU = its CPU time over "
         "wall time; CPU µs / it = its CPU time per worker-iteration, then by phase; round trips / it = its Redis "
         "round trips per worker-iteration (one each: no result read with another); gap ms / it = a worker's mean "
-        "time between steps.",
+        "time between steps; workers' and Redis's CPU µs / it = their CPU time per worker-iteration (the workers' "
+        "summed): with the scheduler's, what one worker-iteration costs the host.",
         "",
     ]
     return "\n".join(lines)
