@@ -4,6 +4,7 @@ same plans, clear errors for bad profiles, and the whole system running on emula
 
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -186,6 +187,10 @@ def test_the_whole_system_on_emulated_workers_says_so_and_gives_exact_seeded_out
         worker_lines = [line for line in system.log().splitlines() if line.startswith("worker-")]
         assert worker_lines and all("EMULATED[h100-llama3-8b]" in line for line in worker_lines
                                     if " INFO " in line or " WARNING " in line)
+        # Each service's start-up heap is out of the collector's reach (shared/startup_heap.py)
+        frozen = re.findall(r"event=startup_heap_frozen service=(\w+) objects=(\d+)", system.log())
+        assert sorted(service for service, _ in frozen) == ["gateway", "scheduler", "worker", "worker"]
+        assert all(int(objects) > 10_000 for _, objects in frozen)
 
 
 def test_a_profile_written_from_measured_steps_reproduces_them_and_loads(tmp_path):

@@ -25,6 +25,7 @@ from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata
 from shared.served_models import served_models
 from shared.redis_connection import connect
+from shared.startup_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from shared.tokenizer import Tokenizer
@@ -373,6 +374,7 @@ async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = Non
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS
     )
     await runner.setup()
+    freeze_startup_heap("gateway")
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()

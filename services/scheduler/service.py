@@ -55,6 +55,7 @@ from shared.model_file import load_metadata
 from shared.plans import PlanCodec, read_result
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.tokenizer import Tokenizer
+from shared.startup_heap import freeze_startup_heap
 from shared.wire import WireError, encode
 
 log = logging.getLogger("iterserve.scheduler")
@@ -329,6 +330,7 @@ async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = N
     tokenizer = Tokenizer.load(settings.model)
     redis = connect(settings.redis_url)
     service = SchedulerService(settings, redis, tokenizer, metadata.config.context_length)
+    freeze_startup_heap("scheduler")
     try:
         await service.run(stop_event)
     finally:

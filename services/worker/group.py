@@ -80,6 +80,7 @@ def _follower(rank: int, address: str, settings_json: str, commands: "multiproce
     from services.worker.kv_cache import CacheMismatch
     from services.worker.parallel import Layout
     from shared.config import Settings
+    from shared.startup_heap import freeze_startup_heap
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -92,6 +93,7 @@ def _follower(rank: int, address: str, settings_json: str, commands: "multiproce
     _join(rank, layout, address, settings.device)
     engine = Engine.from_settings(settings)
     engine.defer_sampled = layout.pipeline > 1
+    freeze_startup_heap(f"rank{rank}")
     while True:
         name, *arguments = commands.get()
         try:

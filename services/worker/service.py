@@ -47,6 +47,7 @@ from shared.served_models import served_models
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange
+from shared.startup_heap import freeze_startup_heap
 from shared.plans import DecodedPlan, PlanReader
 from shared.tokenizer import Tokenizer
 from shared.wire import WireError, encode
@@ -501,6 +502,7 @@ async def run_worker(settings: Settings, stop_event: asyncio.Event | None = None
     torch.set_num_threads(settings.threads or threads_per_worker(settings.workers * settings.group_size))
     engine = await asyncio.to_thread(make_engine, settings)
     worker = Worker(settings, engine, settings.worker_id or new_worker_id())
+    freeze_startup_heap("worker")
     try:
         await worker.serve(stop_event or asyncio.Event())
     except EngineBroken as broken:
