@@ -29,7 +29,7 @@ import msgpack
 from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from shared import keys
-from shared.redis_exchange import Exchange
+from shared.redis_exchange import Exchange, xread_entries
 
 log = logging.getLogger("iterserve.scheduler")
 T = TypeVar("T")
@@ -249,9 +249,4 @@ class RedisLink:
         entries = replies[-1]
         if isinstance(entries, Exception):
             raise entries
-        # XREAD's reply (a map in RESP3, pairs in RESP2) as redis-py's XREAD gives it:
-        # (stream, [(entry id, {field: value})])
-        streams = entries.items() if isinstance(entries, dict) else entries or ()
-        return [(stream, [(entry_id, dict(zip(fields[::2], fields[1::2])) if fields else {})
-                          for entry_id, fields in stream_entries])
-                for stream, stream_entries in streams]
+        return xread_entries(entries)

@@ -46,7 +46,7 @@ from shared.model_file import load_metadata, weights_sha256
 from shared.served_models import served_models
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
-from shared.redis_exchange import Exchange
+from shared.redis_exchange import Exchange, xread_entries
 from shared.startup_heap import freeze_startup_heap
 from shared.plans import DecodedPlan, PlanReader
 from shared.tokenizer import Tokenizer
@@ -57,6 +57,7 @@ log = logging.getLogger("iterserve.worker")
 PLAN_BLOCK_MS = 250  # one wait for a plan: also how soon an idle worker notices a SIGTERM
 DRAIN_BLOCK_MS = 100  # while draining: look at the exit conditions this often
 READ_BLOCK_MS = 100  # the plan reader's wait: also how soon it notices the worker stopping
+READ_SLACK_SECONDS = 10.0  # a blocked read may take this much longer than READ_BLOCK_MS before it is given up
 PREFETCH_PLANS = 4  # plans read ahead (the scheduler keeps pipeline_depth <= 4 in flight)
 EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregister
 # A guard only: the scheduler trims the results stream to what it has read. Results it has not
@@ -84,6 +85,7 @@ class Worker:
         self.settings, self.engine, self.worker_id = settings, engine, worker_id
         self.redis = connect(settings.redis_url)
         self.results = Exchange(self.redis)  # every result goes out on it (shared/redis_exchange.py)
+        self.plan_reads = Exchange(self.redis)  # the plan reader's XREADs, one after the other
         self.started_at = time.time()
         self.scheduler_epoch = ""
         self.draining = False
@@ -239,13 +241,16 @@ class Worker:
                 await asyncio.sleep(0.002)
                 continue
             try:
-                replies = await self.redis.xread({stream: last_id}, count=PREFETCH_PLANS - len(self._ready),
-                                                 block=READ_BLOCK_MS)
+                async with asyncio.timeout(READ_BLOCK_MS / 1000 + READ_SLACK_SECONDS):
+                    [reply] = await self.plan_reads.send([("XREAD", "COUNT", PREFETCH_PLANS - len(self._ready),
+                                                           "BLOCK", READ_BLOCK_MS, "STREAMS", stream, last_id)])
             except RECONNECT_ERRORS as error:
                 log.warning("event=redis_unavailable worker=%s error=%r", self.worker_id, error)
                 await asyncio.sleep(0.5)
                 continue
-            for _, entries in replies:
+            if isinstance(reply, Exception):
+                raise reply  # (not a lost connection: a reply Redis will give again)
+            for _, entries in xread_entries(reply):
                 for entry_id, fields in entries:
                     last_id = entry_id
                     self._ready.append((entry_id, fields))
