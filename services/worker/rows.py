@@ -147,51 +147,59 @@ class RequestRows:
         """The runnable items as columns, their KV blocks reserved; the others as refusals."""
         columns = StepColumns()
         kv_cache, context_length, vocab_size = self.kv_cache, self.context_length, self.vocab_size
+        block_size, row_of, refusals = kv_cache.block_size, self._row_of, outcome.errors
+        # The rows' state as lists, read once: a numpy element read per item and field costs more than
+        # the whole copy. Only a rebuild below changes a row's KV (its own, once: an item per request).
+        lengths, blocks_held = kv_cache.lengths.tolist(), kv_cache.blocks_held.tolist()
+        last_output_index, last_token = self._last_output_index.tolist(), self._last_token_host.tolist()
         seen: set[str] = set()
         for item in items:
             request_id = item.request_id
-
-            def refuse(code: str, message: str) -> None:
-                outcome.errors.append(ItemRefusal(request_id, code, message))
-
             if request_id in seen:
-                refuse("bad_item", "a request may have one item per step")
+                refusals.append(ItemRefusal(request_id, "bad_item", "a request may have one item per step"))
                 continue
             seen.add(request_id)
-            row = self._row_of.get(request_id)
+            row = row_of.get(request_id)
             if row is None:
-                refuse("bad_item" if request_id in self._refused else "unknown_request",
-                       self._refused.get(request_id, "no sampling parameters were sent for this request"))
+                refusals.append(ItemRefusal(
+                    request_id, "bad_item" if request_id in self._refused else "unknown_request",
+                    self._refused.get(request_id, "no sampling parameters were sent for this request")))
                 continue
             start = item.start_position
             if item.feeds_sampled:  # the token this worker sampled for it in the plan before
-                if item.token_ids or self._last_output_index[row] != item.output_index - 1:
-                    refuse("bad_item", f"no token sampled at output_index {item.output_index - 1} to feed")
+                if item.token_ids or last_output_index[row] != item.output_index - 1:
+                    refusals.append(ItemRefusal(request_id, "bad_item",
+                                                f"no token sampled at output_index {item.output_index - 1} to feed"))
                     continue
                 count = 1
             else:
                 count = len(item.token_ids)
                 if not count:
-                    refuse("bad_item", "no tokens to feed")
+                    refusals.append(ItemRefusal(request_id, "bad_item", "no tokens to feed"))
                     continue
                 if min(item.token_ids) < 0 or max(item.token_ids) >= vocab_size:
-                    refuse("bad_item", "token id outside the vocabulary")
+                    refusals.append(ItemRefusal(request_id, "bad_item", "token id outside the vocabulary"))
                     continue
             if start + count > context_length:
-                refuse("bad_item", f"exceeds the context length {context_length}")
+                refusals.append(ItemRefusal(request_id, "bad_item", f"exceeds the context length {context_length}"))
                 continue
-            held = int(kv_cache.lengths[row])
+            held = lengths[row]
             if start == 0 and held:
                 self._free_kv(row)  # a rebuild from the first token
+                grows = True
             elif start != held:
-                refuse("bad_item", f"start_position {start} but {held} tokens are in the KV cache")
+                refusals.append(ItemRefusal(request_id, "bad_item",
+                                            f"start_position {start} but {held} tokens are in the KV cache"))
                 continue
-            try:
-                kv_cache.grow(row, start + count, request_id)
-            except KVCacheFull as full:
-                refuse("kv_cache_full", str(full))
-                continue
-            columns.add(request_id, row, start, count, item, self._last_token_host[row])
+            else:  # (most decode steps stay within the blocks the row holds: no call)
+                grows = -(-(start + count) // block_size) > blocks_held[row]
+            if grows:
+                try:
+                    kv_cache.grow(row, start + count, request_id)
+                except KVCacheFull as full:
+                    refusals.append(ItemRefusal(request_id, "kv_cache_full", str(full)))
+                    continue
+            columns.add(request_id, row, start, count, item, last_token[row])
         return columns if columns.request_ids else None
 
     def sampled(self, columns: "StepColumns", tokens: np.ndarray) -> list[str]:
