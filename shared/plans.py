@@ -40,7 +40,8 @@ HASH_BYTES = 16  # a prefix-cache block hash (services/scheduler/prefix_cache.py
 _I32, _U16 = np.dtype("<i4"), np.dtype("<u2")
 _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False  # shared by every empty field
-_RANGES = {dtype: (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max) + 1) for dtype in (_I32, _U16, np.dtype(np.uint8))}
+_RANGES = {dtype: (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max) + 1)  # [smallest, past the largest]
+           for dtype in (_I32, _U16, np.dtype(np.uint8))}
 # A named tuple made from all its fields without its own __new__ (a Python function call): the
 # items and tokens of a decode, one per request per step.
 _new_tuple = tuple.__new__

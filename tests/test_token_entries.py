@@ -205,9 +205,10 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
                                                                                               tokenizer):
     """A worker's write (WRITE_SCRIPT, one EVAL): its entries, then its result; none for a request
     whose hash is gone (no key is made; a stream that is there takes it, keeping its expiry); a stream
-    gone from a request that ended is made again with the hash's time to live; an entry written before is skipped; an entry that fails for its key is
-    left out and its request named with the result; Redis refusing writes stops the script before
-    the result (the worker sends it all again)."""
+    gone from a request that ended is made again with the hash's time to live; an entry written
+    before is skipped; an entry that fails for its key is left out and its request named with the
+    result; Redis refusing writes stops the script before the result (the worker sends it all
+    again)."""
     from services.worker.token_writer import WRITE_SCRIPT
     from shared import keys
     from shared.messages import NewRequest, StepItem

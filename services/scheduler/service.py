@@ -54,8 +54,8 @@ from shared.messages import PlanResult, SchedulerInfo
 from shared.model_file import load_metadata
 from shared.plans import PlanCodec, read_result
 from shared.redis_connection import RECONNECT_ERRORS, connect
-from shared.tokenizer import Tokenizer
 from shared.startup_heap import freeze_startup_heap
+from shared.tokenizer import Tokenizer
 from shared.wire import WireError, encode
 
 log = logging.getLogger("iterserve.scheduler")

@@ -33,8 +33,9 @@ from shared.wire import encode_plain_token_events
 # memory, a read-only replica, failing persistence) stops the script before the result is added, and
 # comes back as its reply: the worker sends it all again. An entry that fails for its key (a key of
 # the wrong type) is left out and its request named in the result's field `f` (msgpack list of ids):
-# the scheduler fails that request, as for its own writes. Then XADD of the result: KEYS[1] the results stream, ARGV[2] the result, ARGV[3] the stream's approximate
-# length. (EVAL with the script's text: a restarted Redis has no script cache.)
+# the scheduler fails that request, as for its own writes. Then XADD of the result: KEYS[1] the
+# results stream, ARGV[2] the result, ARGV[3] the stream's approximate length. (EVAL with the
+# script's text: a restarted Redis has no script cache.)
 WRITE_SCRIPT = """
 local columns = cmsgpack.unpack(ARGV[1])
 local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], columns[3], columns[4]
