@@ -29,7 +29,8 @@ import msgpack
 import numpy as np
 
 from shared.keys import valid_request_id
-from shared.messages import BatchPlan, ItemError, NewRequest, PlanResult, SampledToken, SamplingParams, StepItem
+from shared.messages import (BatchPlan, ItemError, NewRequest, PlanResult, SampledToken, SamplingParams, StepItem,
+                             from_fields)
 from shared.wire import WireError
 
 PLAN_FORMAT = 2
@@ -42,9 +43,6 @@ _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False  # shared by every empty field
 _RANGES = {dtype: (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max) + 1)  # [smallest, past the largest]
            for dtype in (_I32, _U16, np.dtype(np.uint8))}
-# A named tuple made from all its fields without its own __new__ (a Python function call): the
-# items and tokens of a decode, one per request per step.
-_new_tuple = tuple.__new__
 
 
 def _hashes(data: Any, kind: str, name: str) -> tuple[bytes, ...]:
@@ -193,7 +191,7 @@ class PlanCodec:
                     logprob, top = logprobs.get(position, (None, ()))
                     tokens.append(SampledToken(request_id, token_id, output_index, logprob, top))
         else:  # (most results: a token and its index per request)
-            tokens = [_new_tuple(SampledToken, (request_id, token_id, output_index, None, ()))
+            tokens = [from_fields(SampledToken, (request_id, token_id, output_index, None, ()))
                       for handle, token_id, output_index in columns if (request_id := sent.get(handle)) is not None]
         errors = []
         for entry in _field(raw, kind, "x", list, []):
@@ -335,7 +333,7 @@ class PlanReader:
             if request_id is None:
                 unknown.append((handle, "a decode for a handle this worker does not hold"))
                 continue
-            items.append(_new_tuple(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
+            items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
             item_handles.append(handle)
         handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
         starts, counts = _ints(raw, kind, "s", _I32), _ints(raw, kind, "c", _I32, 1)

@@ -217,9 +217,10 @@ async def pool_case(profile: str, workers: int, sizes: Sizes, seed: int) -> dict
         figures = measure(before, after, iteration_records(server.redis_url))
         # Where the host's CPU goes (on a machine of few cores, every process's is the fleet's): each
         # kind of process's CPU time in the window per worker-iteration, the workers' summed.
+        iterations = figures["iterations"]
         figures["cpu_us_per_iteration_by_component"] = {
-            name: 1e6 * (seconds - cpu_before.get(name, 0.0)) / figures["iterations"]
-            for name, seconds in cpu_after.items() if figures["iterations"]}
+            name: 1e6 * (seconds - cpu_before.get(name, 0.0)) / iterations for name, seconds in cpu_after.items()
+        } if iterations else {}
         executors = {(worker["executor"], worker.get("hardware")) for worker in after["workers"]}
     if executors != {("emulated", profile)}:
         raise RuntimeError(f"expected emulated {profile} workers, /status says {executors}")

@@ -53,6 +53,7 @@ from shared.messages import (
     RequestRecord,
     SamplingParams,
     StepItem,
+    from_fields,
 )
 from shared.finishing import finish_reason, length_limit
 
@@ -104,8 +105,6 @@ class _Batch:
 
 
 _FCFS_KEY = operator.attrgetter("fcfs_key")
-# A named tuple made from its fields without its own __new__ (a Python function): one per request per step.
-_new_tuple = tuple.__new__
 _REQUEST_ID = operator.itemgetter(0)  # a SampledToken's
 
 
@@ -695,7 +694,7 @@ class SchedulerPolicy:
             if in_flight:  # its input is the token a plan in flight samples
                 if chunk != 1:  # the bookkeeping is broken: better to stop than plan on it
                     raise RuntimeError(f"{request_id}: {chunk} tokens pending behind a token sampled in flight")
-                items.append(_new_tuple(StepItem, (request_id, (), start, True, outputs + in_flight, True)))
+                items.append(from_fields(StepItem, (request_id, (), start, True, outputs + in_flight, True)))
                 state.in_flight_samples += 1
             else:
                 sample = end == state.prompt_length + outputs

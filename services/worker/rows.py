@@ -153,43 +153,44 @@ class RequestRows:
         lengths, blocks_held = kv_cache.lengths.tolist(), kv_cache.blocks_held.tolist()
         last_output_index, last_token = self._last_output_index.tolist(), self._last_token_host.tolist()
         seen: set[str] = set()
+
+        def refuse(request_id: str, code: str, message: str) -> None:
+            refusals.append(ItemRefusal(request_id, code, message))
+
         for item in items:
             request_id = item.request_id
             if request_id in seen:
-                refusals.append(ItemRefusal(request_id, "bad_item", "a request may have one item per step"))
+                refuse(request_id, "bad_item", "a request may have one item per step")
                 continue
             seen.add(request_id)
             row = row_of.get(request_id)
             if row is None:
-                refusals.append(ItemRefusal(
-                    request_id, "bad_item" if request_id in self._refused else "unknown_request",
-                    self._refused.get(request_id, "no sampling parameters were sent for this request")))
+                refuse(request_id, "bad_item" if request_id in self._refused else "unknown_request",
+                       self._refused.get(request_id, "no sampling parameters were sent for this request"))
                 continue
             start = item.start_position
             if item.feeds_sampled:  # the token this worker sampled for it in the plan before
                 if item.token_ids or last_output_index[row] != item.output_index - 1:
-                    refusals.append(ItemRefusal(request_id, "bad_item",
-                                                f"no token sampled at output_index {item.output_index - 1} to feed"))
+                    refuse(request_id, "bad_item", f"no token sampled at output_index {item.output_index - 1} to feed")
                     continue
                 count = 1
             else:
                 count = len(item.token_ids)
                 if not count:
-                    refusals.append(ItemRefusal(request_id, "bad_item", "no tokens to feed"))
+                    refuse(request_id, "bad_item", "no tokens to feed")
                     continue
                 if min(item.token_ids) < 0 or max(item.token_ids) >= vocab_size:
-                    refusals.append(ItemRefusal(request_id, "bad_item", "token id outside the vocabulary"))
+                    refuse(request_id, "bad_item", "token id outside the vocabulary")
                     continue
             if start + count > context_length:
-                refusals.append(ItemRefusal(request_id, "bad_item", f"exceeds the context length {context_length}"))
+                refuse(request_id, "bad_item", f"exceeds the context length {context_length}")
                 continue
             held = lengths[row]
             if start == 0 and held:
                 self._free_kv(row)  # a rebuild from the first token
                 grows = True
             elif start != held:
-                refusals.append(ItemRefusal(request_id, "bad_item",
-                                            f"start_position {start} but {held} tokens are in the KV cache"))
+                refuse(request_id, "bad_item", f"start_position {start} but {held} tokens are in the KV cache")
                 continue
             else:  # (most decode steps stay within the blocks the row holds: no call)
                 grows = -(-(start + count) // block_size) > blocks_held[row]
@@ -197,7 +198,7 @@ class RequestRows:
                 try:
                     kv_cache.grow(row, start + count, request_id)
                 except KVCacheFull as full:
-                    refusals.append(ItemRefusal(request_id, "kv_cache_full", str(full)))
+                    refuse(request_id, "kv_cache_full", str(full))
                     continue
             columns.add(request_id, row, start, count, item, last_token[row])
         return columns if columns.request_ids else None

@@ -136,15 +136,14 @@ class TokenWriter:
     def entries(self, writes: list[Write]) -> bytes:
         """The entries, in order, as WRITE_SCRIPT's first argument. (use_bin_type=False: Redis's
         Lua cmsgpack reads only the raw string type.)"""
-        for row, _, _ in writes:
+        rows, indexes, token_ids = zip(*writes) if writes else ((), (), ())
+        for row in rows:
             if row.detokenizer is None:
                 row.detokenizer = IncrementalDetokenizer(self.tokenizer, row.context)
-        indexes = [index for _, index, _ in writes]
-        token_ids = [token_id for _, _, token_id in writes]
-        pieces = [row.detokenizer.push(token_id) for row, _, token_id in writes]  # (in order: a row's text goes on)
-        return msgpack.packb([[row.stream_key for row, _, _ in writes], [f"0-{index + 1}" for index in indexes],
+        pieces = [row.detokenizer.push(token_id) for row, token_id in zip(rows, token_ids)]  # (in order)
+        return msgpack.packb([[row.stream_key for row in rows], [f"0-{index + 1}" for index in indexes],
                               encode_plain_token_events(indexes, token_ids, pieces),
-                              [row.request_key for row, _, _ in writes], [row.request_id for row, _, _ in writes]],
+                              [row.request_key for row in rows], [row.request_id for row in rows]],
                              use_bin_type=False)
 
 
