@@ -63,6 +63,14 @@ class ModelKeys:
         """Scheduler liveness key (value: msgpack SchedulerInfo, expires unless renewed)."""
         return self._key("scheduler:heartbeat")
 
+    @cached_property
+    def incarnation(self) -> str:
+        """The scheduler epoch and the Redis server (its run_id, new at every start) that the pool
+        was last loaded on, "EPOCH RUN_ID": a worker's token entries are written only while both
+        are its plan's (services/worker/token_writer.py), so none lands after a Redis restart that
+        may have lost writes, until a scheduler has loaded the pool from what Redis kept."""
+        return self._key("scheduler:incarnation")
+
 
 SINGLE_MODEL = ModelKeys()
 # The unnamed group's keys under their historical names (tests, benchmarks, docs).
@@ -73,6 +81,7 @@ RESULTS_STREAM = SINGLE_MODEL.results
 ITERATIONS_STREAM = SINGLE_MODEL.iterations
 WORKERS_SET = SINGLE_MODEL.workers
 SCHEDULER_HEARTBEAT = SINGLE_MODEL.scheduler_heartbeat
+INCARNATION = SINGLE_MODEL.incarnation
 
 
 def request_key(request_id: str) -> str:

@@ -50,6 +50,13 @@ class Exchange:
         finally:
             self._sending = False
 
+    async def close(self) -> None:
+        """Give the connection back to the client's pool, closed (no reply is left on it to be read)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.disconnect()
+            await self.client.connection_pool.release(connection)
+
     async def _send(self, commands: list[tuple]) -> list:
         if self._connection is None:
             self._connection = await self.client.connection_pool.get_connection()

@@ -55,10 +55,10 @@ class Service:
 
 class Cluster:
     def __init__(self, *, workers: int = 2, kv_blocks: int = 256, max_batch_size: int = 64, threads: int = 1,
-                 **settings: object) -> None:
+                 redis_args: tuple[str, ...] = (), **settings: object) -> None:
         self.workers_at_start = workers
         self.directory = Path(tempfile.mkdtemp(prefix="iterserve-chaos-"))
-        self.redis = RedisProcess(data_dir=str(self.directory / "redis"))
+        self.redis = RedisProcess(data_dir=str(self.directory / "redis"), extra_args=redis_args)
         os.makedirs(self.redis.data_dir, exist_ok=True)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -149,6 +149,21 @@ class Cluster:
         stopped_at = time.time()
         self.redis.stop(kill=kill)
         time.sleep(down_seconds)
+        self.redis.start()
+        return stopped_at, time.time()
+
+    def restart_redis_losing_writes_after(self, second: int) -> tuple[float, float]:
+        """SIGKILL Redis, cut its append-only file back to the end of unix second `second` (the
+        writes of later seconds are lost, acknowledged or not) and start it again on that file.
+        Needs redis_args=("--aof-timestamp-enabled", "yes"). Returns (stopped_at, answering_again_at)."""
+        binary = shutil.which("redis-check-aof")
+        if binary is None:
+            raise RuntimeError("redis-check-aof is not installed (apt-get install redis-tools)")
+        stopped_at = time.time()
+        self.redis.stop(kill=True)
+        manifest = Path(self.redis.data_dir) / "appendonlydir" / "appendonly.aof.manifest"
+        subprocess.run([binary, "--truncate-to-timestamp", str(second), str(manifest)],
+                       check=True, capture_output=True, timeout=30)
         self.redis.start()
         return stopped_at, time.time()
 

@@ -28,13 +28,16 @@ def wait_for_ping(url: str, timeout: float = 10.0) -> None:
 
 
 class RedisProcess:
-    """redis-server on a free 127.0.0.1 port with append-only persistence in a temp dir."""
+    """redis-server on a free 127.0.0.1 port with append-only persistence in a temp dir (extra_args:
+    more of redis-server's options)."""
 
-    def __init__(self, port: int | None = None, data_dir: str | None = None, password: str | None = None) -> None:
+    def __init__(self, port: int | None = None, data_dir: str | None = None, password: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self._owns_data_dir = data_dir is None  # a temp dir of its own: close() removes it
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="iterserve-redis-")
         self.password = password  # --requirepass: the URL carries it
+        self.extra_args = extra_args
         self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
@@ -44,7 +47,7 @@ class RedisProcess:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.data_dir,
+             "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.data_dir, *self.extra_args,
              *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -34,7 +34,7 @@ from shared.messages import (
 )
 from shared.plans import PlanReader
 from shared.tokenizer import Tokenizer
-from services.worker.token_writer import WRITE_SCRIPT, TokenWriter
+from services.worker.token_writer import STALE, WRITE_SCRIPT, TokenWriter
 from shared.redis_connection import connect
 from shared.wire import WireError, decode, decode_token_event, encode
 from tests.redis_server import RedisProcess
@@ -149,8 +149,9 @@ class FakeWorker:
                     while True:  # as the real worker: a Redis that refuses writes for a while is waited out
                         try:
                             if writes:
-                                await self.redis.eval(WRITE_SCRIPT, 1, keys.RESULTS_STREAM, entries, payload, 1000)
-                                self.entries_written += len(writes)
+                                reply = await self.redis.eval(WRITE_SCRIPT, 2, keys.RESULTS_STREAM, keys.INCARNATION,
+                                                              entries, payload, 1000, plan.scheduler_epoch)
+                                self.entries_written += len(writes) if reply != STALE else 0
                             else:
                                 await self.redis.xadd(keys.RESULTS_STREAM, {"m": payload})
                             break
@@ -507,6 +508,7 @@ async def test_a_live_worker_missing_from_the_workers_set_keeps_its_requests_unt
     caplog.set_level(logging.INFO, logger="iterserve.scheduler")
     policy = SchedulerPolicy("epoch", context_length=256, stop_token_ids=())
     link = RedisLink(redis_client, on_write_failed=lambda write, error: None)
+    link.run_id = (await redis_client.info("server"))["run_id"]  # (a scheduler's pool loading notes it)
     liveness = WorkerLiveness(link, policy, {}, stall_seconds=60)
     info = WorkerInfo(worker_id="w1", pid=os.getpid(), host="here", device="fake", kv_block_size=16,
                       kv_blocks_total=64, kv_blocks_free=64, running=0, started_at=1.0, heartbeat_at=time.time())

@@ -208,8 +208,9 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
     gone from a request that ended is made again with the hash's time to live; an entry written
     before is skipped; an entry that fails for its key is left out and its request named with the
     result; Redis refusing writes stops the script before the result (the worker sends it all
-    again)."""
-    from services.worker.token_writer import WRITE_SCRIPT
+    again); and nothing at all, but the reply STALE, unless the pool was loaded under the plan's
+    epoch on this Redis server (a restarted one may have lost the entries before these)."""
+    from services.worker.token_writer import STALE, WRITE_SCRIPT
     from shared import keys
     from shared.messages import NewRequest, StepItem
 
@@ -224,12 +225,17 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
         writes, unwritten = writer.after_step(_plan("e", plan_id, new if plan_id == 1 else (), items),
                                               {request_id: text[2 + index] for request_id in names.values()})
         assert unwritten == set() and len(writes) == len(names)
+        return await write(writer.entries(writes), plan_id)
+
+    async def write(entries: bytes, plan_id: int) -> list:
         try:
-            return [await redis_client.eval(WRITE_SCRIPT, 1, keys.RESULTS_STREAM, writer.entries(writes),
-                                            f"result {plan_id}", 1000)]
+            return [await redis_client.eval(WRITE_SCRIPT, 2, keys.RESULTS_STREAM, keys.INCARNATION, entries,
+                                            f"result {plan_id}", 1000, "e")]
         except Exception as error:
             return [error]
 
+    run_id = (await redis_client.info("server"))["run_id"]
+    await redis_client.set(keys.INCARNATION, f"e {run_id}")
     await redis_client.hset(keys.request_key(names["running"]), "status", "running")
     await redis_client.hset(keys.request_key(names["ended"]), "status", "finished")
     await redis_client.expire(keys.request_key(names["ended"]), 50)
@@ -265,3 +271,19 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
     assert isinstance(reply[0], OutOfMemoryError), reply
     assert len(await redis_client.xrange(keys.RESULTS_STREAM)) == 2, "no result while Redis refuses writes"
     assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 2
+
+    items = [StepItem(request_id, (), 13, True, 3, True) for request_id in names.values()]
+    writes, _ = writer.after_step(_plan("e", 4, (), items), {request_id: text[5] for request_id in names.values()})
+    entries = writer.entries(writes)
+    for incarnation in (f"a-newer-epoch {run_id}", f"e {'0' * 40}", None):  # a new scheduler, a new Redis
+        if incarnation is None:
+            await redis_client.delete(keys.INCARNATION)
+        else:
+            await redis_client.set(keys.INCARNATION, incarnation)
+        assert await write(entries, 4) == [STALE], incarnation
+        assert len(await redis_client.xrange(keys.RESULTS_STREAM)) == 2, incarnation
+        assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 2, incarnation
+    await redis_client.set(keys.INCARNATION, f"e {run_id}")
+    assert await write(entries, 4) != [STALE]
+    assert len(await redis_client.xrange(keys.RESULTS_STREAM)) == 3
+    assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 3

@@ -5,14 +5,15 @@ registration and plan stream are deleted (a worker that comes back under the sam
 again, and its first plan tells it to drop whatever KV it still holds). A worker that restarted
 under the same id (a new start time) is a new worker. A plan or its result lost (a Redis restart
 without it) would leave a worker waiting forever: after stall_seconds its plans are given up and
-its requests rebuilt.
+its requests rebuilt. Each poll also reads Redis's run_id: a new one is a Redis restart
+(RedisRestarted: the scheduler loads the pool again).
 """
 
 import logging
 import time
 
 from services.scheduler.policy import SchedulerPolicy
-from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, bounded
+from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, RedisRestarted, bounded, text_of
 from shared import keys
 from shared.messages import WorkerInfo
 from shared.plans import PlanCodec
@@ -24,9 +25,11 @@ log = logging.getLogger("iterserve.scheduler")
 # at one instant (a script runs whole): a departing worker leaves the set and then deletes its key,
 # so no poll sees it listed without its key (a death) when it left. A worker the scheduler knows that
 # is not listed (a listing lost) is alive while its key is there; its own next beat lists it again.
-# Reply: the number listed, then the ids (listed first) and their heartbeats (nil: no key).
+# Reply: the number listed, then the ids (listed first) and their heartbeats (nil: no key), and
+# the Redis server's run_id (new at each start of redis-server).
 # (Standalone Redis: the heartbeat keys are not declared, as TOKENS_SCRIPT's streams are not.)
 LIVENESS_SCRIPT = """
+local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
 local ids = redis.call('SMEMBERS', KEYS[1])
 local listed, asked = #ids, {}
 for _, id in ipairs(ids) do asked[id] = true end
@@ -38,7 +41,7 @@ for i = 2, #ARGV do
 end
 local values = {}
 for i, id in ipairs(ids) do values[i] = redis.call('GET', ARGV[1] .. id) end
-return {listed, ids, values}
+return {listed, ids, values, run_id}
 """
 
 
@@ -50,11 +53,15 @@ class WorkerLiveness:
         self._started_at: dict[str, float] = {}
 
     async def poll(self) -> None:
+        """Raises RedisRestarted, before anything else, when Redis is not the server the pool was
+        loaded from (the scheduler then loads it again)."""
         redis = self.link.redis
         known = sorted(self.policy.worker_ids)
-        listed, members, values = await bounded(
+        listed, members, values, run_id = await bounded(
             redis.eval(LIVENESS_SCRIPT, 1, self.link.keys.workers, keys.worker_heartbeat(""), *known),
             REDIS_SLACK_SECONDS)
+        if text_of(run_id) != self.link.run_id:
+            raise RedisRestarted(self.link.run_id, text_of(run_id))
         found = []  # (not listed, worker id, heartbeat)
         for position, (member, value) in enumerate(zip(members, values, strict=True)):
             try:

@@ -1,5 +1,6 @@
 """A starting scheduler rebuilds the pool from Redis: every request of the active set, with its
 output so far from its token stream (a restart loses no accepted request, and none is duplicated).
+So does a running one when Redis restarted (a new run_id), which may have lost its last writes.
 
 Cancels need no replay: the gateway flags a cancelled request in its hash as well as in the cancel
 stream, and loading a request reads that flag. New requests are loaded the same way, a batch of
@@ -20,6 +21,14 @@ from shared.wire import WireError, decode, decode_token_event
 log = logging.getLogger("iterserve.scheduler")
 
 LOAD_BATCH = 256  # requests loaded per round trip
+# The pool is loaded under this epoch (ARGV[1]) from this Redis server: "EPOCH RUN_ID" into
+# ModelKeys.incarnation, at one instant with reading the server's run_id, which comes back. From
+# then on no worker writes an entry for a plan of an older epoch or from before a Redis restart.
+INCARNATION_SCRIPT = """
+local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. run_id)
+return run_id
+"""
 
 
 class PoolLoader:
@@ -30,8 +39,13 @@ class PoolLoader:
         self.cancel = cancel  # cancels a loaded request (its hash carries the gateway's cancel flag)
 
     async def load_state(self, epoch: str) -> None:
-        """Note where the input streams end, then load every active request with its output so far."""
+        """Take the pool for this epoch (the workers' entries of older plans are refused from now
+        on, so the streams read below only grow by whole tokens of this epoch), note where the input
+        streams end, then load every active request with its output so far."""
         redis = self.link.redis
+        run_id = await bounded(redis.eval(INCARNATION_SCRIPT, 1, self.link.keys.incarnation, epoch),
+                               REDIS_SLACK_SECONDS)
+        self.link.run_id = text_of(run_id)
         pipe = redis.pipeline(transaction=False)
         for stream in self.link.input_streams:
             pipe.xrevrange(stream, count=1)
@@ -53,7 +67,8 @@ class PoolLoader:
         active_ids.sort()
         for start in range(0, len(active_ids), LOAD_BATCH):
             await self.load_requests(active_ids[start : start + LOAD_BATCH])
-        log.info("pool_loaded epoch=%s active=%d waiting=%d", epoch, len(active_ids), self.policy.waiting_count)
+        log.info("pool_loaded epoch=%s active=%d waiting=%d redis_run_id=%s", epoch, len(active_ids),
+                 self.policy.waiting_count, self.link.run_id)
 
     async def _delete_orphan_plan_streams(self, registered: set[bytes]) -> None:
         """Plan streams of workers that are no longer registered (gone while no scheduler ran)."""

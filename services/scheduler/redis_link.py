@@ -65,6 +65,15 @@ class RedisWritesRefused(RedisError):
     replica, failing persistence): nothing was written, everything is sent again after a backoff."""
 
 
+class RedisRestarted(Exception):
+    """Redis is another server than the one the pool was loaded from (a new run_id): it may have
+    lost its last writes, acknowledged or not (README, "fsync policy")."""
+
+    def __init__(self, was: str, run_id: str) -> None:
+        super().__init__(f"Redis restarted: run_id {run_id}, was {was}")
+        self.was, self.run_id = was, run_id
+
+
 class SchedulerStateError(Exception):
     """A write to a key the scheduler owns failed inside Redis (e.g. a key of the wrong type): the
     scheduler's memory and Redis disagree, so the process stops and the restart path rebuilds."""
@@ -146,6 +155,7 @@ class RedisLink:
         self._trimmed_ids = dict(self.read_ids)
         self._read_since_trim = 0
         self.exchange = Exchange(redis)  # the round trip's own connection
+        self.run_id = ""  # the Redis server's the pool was loaded from (PoolLoader.load_state)
 
     def queue(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.writes.append(Write(command, args, kwargs))

@@ -17,7 +17,8 @@ request-level baseline's held results (held_results.py), the compact plans (shar
 
 Unexpected exceptions end the process: a bug could leave the bookkeeping half-applied, and a
 restarted scheduler rebuilds everything from Redis. Redis being unreachable (or refusing writes)
-is waited out, with backoff.
+is waited out, with backoff; a Redis restarted (a new run_id: it may have lost its last writes)
+has the pool loaded again from what it kept, under a new epoch, in this same process.
 """
 
 import asyncio
@@ -41,6 +42,7 @@ from services.scheduler.recovery import LOAD_BATCH, PoolLoader
 from services.scheduler.redis_link import (
     REDIS_SLACK_SECONDS,
     RedisLink,
+    RedisRestarted,
     RedisWritesRefused,
     TOKEN_ENTRY,
     SchedulerStateError,
@@ -72,12 +74,25 @@ PHASES = ("plan", "encode", "redis", "decode", "apply", "fanout")
 class SchedulerService:
     def __init__(self, settings: Settings, redis: Any, tokenizer: Tokenizer, context_length: int,
                  epoch: str | None = None) -> None:
-        self.settings = settings
-        self.epoch = epoch or uuid.uuid4().hex
+        self.settings, self.redis, self.tokenizer, self.context_length = settings, redis, tokenizer, context_length
+        self.started_at = time.time()
+        self.last_iteration_at = 0.0
+        self.iterations = 0
+        self.phase_cpu = dict.fromkeys(PHASES, 0.0)  # CPU seconds of each phase, since the start
+        self.round_trips = 0
+        self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
+        self._begin(epoch or uuid.uuid4().hex)
+
+    def _begin(self, epoch: str) -> None:
+        """Everything a scheduler knows of the pool, empty, under a new epoch: at start, and when
+        Redis restarted (it may have lost its last writes: the pool is loaded again from what it
+        kept, as a new scheduler would, and the workers drop their KV on the new epoch)."""
+        settings = self.settings
+        self.epoch = epoch
         self.policy = SchedulerPolicy(
             self.epoch,
-            context_length=context_length,
-            stop_token_ids=tokenizer.stop_token_ids,
+            context_length=self.context_length,
+            stop_token_ids=self.tokenizer.stop_token_ids,
             policy=settings.policy,
             max_batch_size=settings.max_batch_size,
             pipeline_depth=settings.pipeline_depth,
@@ -87,23 +102,18 @@ class SchedulerService:
             placement_slack=settings.placement_slack,
             placement_threshold=settings.placement_threshold,
             cache_salt=settings.model_group or settings.model,
-            text_context=tokenizer.text_context if settings.worker_token_entries else None,
+            text_context=self.tokenizer.text_context if settings.worker_token_entries else None,
         )
-        self.link = RedisLink(redis, on_write_failed=self._write_failed,
+        self.link = RedisLink(self.redis, on_write_failed=self._write_failed,
                               model_keys=keys.ModelKeys(settings.model_group))
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
-        self.outputs = RequestOutputs(tokenizer, self.policy, self.link, self.holding, settings.request_ttl_seconds)
+        self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, self.holding,
+                                      settings.request_ttl_seconds)
         self.codecs: dict[str, PlanCodec] = {}  # each worker's request handles and plans in flight
         self.liveness = WorkerLiveness(self.link, self.policy, self.codecs, settings.stall_seconds)
         self.loader = PoolLoader(self.link, self.policy, self.outputs, settings.request_ttl_seconds, self._cancel)
-        self.started_at = time.time()
-        self.last_iteration_at = 0.0
-        self.iterations = 0
-        self.phase_cpu = dict.fromkeys(PHASES, 0.0)  # CPU seconds of each phase, since the start
-        self.round_trips = 0
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._loaded = False
-        self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
         self._published_counts: tuple[int, int] | None = None
@@ -125,8 +135,16 @@ class SchedulerService:
                     self._loaded = True
                 await self.turn()
                 backoff = BACKOFF_START_SECONDS
+            except RedisRestarted as restart:
+                epoch = uuid.uuid4().hex
+                log.warning("redis_restarted run_id=%s was=%s epoch=%s new_epoch=%s requests=%d", restart.run_id,
+                            restart.was, self.epoch, epoch, self.policy.waiting_count + self.policy.running_count)
+                with contextlib.suppress(*RECONNECT_ERRORS):
+                    await self.link.exchange.close()
+                self._begin(epoch)
             except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisWritesRefused) as error:
                 log.warning("redis_unavailable error=%s:%s retry_in=%.2fs", type(error).__name__, error, backoff)
+                self._next_poll = 0.0  # before any write: is it the same Redis (liveness.poll)?
                 await self._sleep(stop_event, backoff)
                 backoff = min(backoff * 2, BACKOFF_CAP_SECONDS)
             # Anything else is a bug or a Redis that disagrees with our memory: carrying on could run

@@ -37,7 +37,7 @@ import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from services.worker.engine import Engine
-from services.worker.token_writer import WRITE_SCRIPT, TokenWriter, Write
+from services.worker.token_writer import STALE, WRITE_SCRIPT, TokenWriter, Write
 from services.worker.rows import ItemRefusal, StepOutcome
 from services.worker.kv_cache import CacheMismatch, PagedKVCache
 from shared import keys
@@ -298,8 +298,8 @@ class Worker:
             if not self._ready or stop_event.is_set():
                 return
 
-    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[bytes, list[Write], int] | None:
-        """One plan: its result on the wire, its token entries and its id (None for a plan not to
+    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[bytes, list[Write], BatchPlan] | None:
+        """One plan: its result on the wire, its token entries and the plan (None for a plan not to
         run). Raises EngineBroken when the engine can no longer compute."""
         decoded = self._decode(fields, entry_id)
         if decoded is None:
@@ -322,11 +322,12 @@ class Worker:
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
             result, writes = self._encode(decoded, outcome)
         self._log_refusals(decoded, outcome)
-        return result, writes, plan.plan_id
+        return result, writes, plan
 
-    def _queue_publish(self, result: bytes, writes: list[Write], plan_id: int, stream: str, entry_id: bytes) -> None:
+    def _queue_publish(self, result: bytes, writes: list[Write], plan: BatchPlan, stream: str,
+                       entry_id: bytes) -> None:
         """Publish a result after the one before it (results go out in order)."""
-        self._publishing = asyncio.create_task(self._publish(result, writes, stream, entry_id, plan_id,
+        self._publishing = asyncio.create_task(self._publish(result, writes, stream, entry_id, plan,
                                                              after=self._publishing))
 
     def _decode(self, fields: dict, entry_id: bytes) -> DecodedPlan | None:
@@ -387,7 +388,7 @@ class Worker:
         self.busy_seconds += now - max(launched_at, self._busy_until)  # overlapping plans counted once
         self._busy_until = now
         self._log_refusals(decoded, outcome)
-        await self._publish(*self._encode(decoded, outcome), stream, entry_id, decoded.plan.plan_id)
+        await self._publish(*self._encode(decoded, outcome), stream, entry_id, decoded.plan)
 
     def _log_refusals(self, decoded: DecodedPlan, outcome: StepOutcome) -> None:
         for error in outcome.errors:
@@ -397,7 +398,7 @@ class Worker:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
 
-    async def _publish(self, result: bytes, writes: list[Write], stream: str, entry_id: bytes, plan_id: int,
+    async def _publish(self, result: bytes, writes: list[Write], stream: str, entry_id: bytes, plan: BatchPlan,
                        after: asyncio.Task | None = None) -> None:
         """The result (after its token entries, in one script: services/worker/token_writer.py), and
         the plan stream trimmed up to its plan (nobody else reads it), once the publish `after` is
@@ -407,19 +408,24 @@ class Worker:
         if after is not None:
             await after
         if writes:  # (detokenized here, in the event loop, while the step thread runs the next step)
-            add = ("EVAL", WRITE_SCRIPT, 1, self.keys.results, self.token_writer.entries(writes), result, RESULTS_KEPT)
+            add = ("EVAL", WRITE_SCRIPT, 2, self.keys.results, self.keys.incarnation,
+                   self.token_writer.entries(writes), result, RESULTS_KEPT, plan.scheduler_epoch)
         else:
             add = ("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result)
         commands = [add, ("XTRIM", stream, "MINID", entry_id)]
         wait = 0.0
         while True:
             try:
-                failed = [reply for reply in await self.results.send(commands) if isinstance(reply, Exception)]
+                replies = await self.results.send(commands)
+                failed = [reply for reply in replies if isinstance(reply, Exception)]
                 if failed:
                     raise failed[0]
+                if replies[0] == STALE:  # a restarted Redis or a new scheduler: its next plans say
+                    log.warning("event=stale_write worker=%s plan=%d epoch=%s", self.worker_id, plan.plan_id,
+                                plan.scheduler_epoch)
                 return
             except (*RECONNECT_ERRORS, OutOfMemoryError, ReadOnlyError) as error:
-                log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan_id, error)
+                log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
                 await asyncio.sleep(wait)
                 wait = 0.5
 

@@ -36,7 +36,18 @@ from shared.wire import encode_plain_token_events
 # the scheduler fails that request, as for its own writes. Then XADD of the result: KEYS[1] the
 # results stream, ARGV[2] the result, ARGV[3] the stream's approximate length. (EVAL with the
 # script's text: a restarted Redis has no script cache.)
+# First of all, KEYS[2] (ModelKeys.incarnation) must hold the plan's scheduler epoch (ARGV[4]) and
+# this Redis server's run_id: if not, nothing is written and the reply is STALE. A Redis restarted
+# may have lost its last writes (appendfsync everysec: README, "fsync policy"), and an entry written
+# from memory after them would leave a gap in its stream; so no entry lands until the scheduler has
+# seen the restart and loaded the pool from what Redis kept, under a new epoch. (A plan's result is
+# not needed then: the scheduler ignores any of an older epoch.)
+STALE = b"STALE"
 WRITE_SCRIPT = """
+local server = redis.call('INFO', 'server')
+if redis.call('GET', KEYS[2]) ~= ARGV[4] .. ' ' .. string.match(server, 'run_id:(%w+)') then
+  return redis.status_reply('STALE')
+end
 local columns = cmsgpack.unpack(ARGV[1])
 local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], columns[3], columns[4]
 local refusals = {'OOM', 'READONLY', 'MISCONF', 'NOREPLICAS', 'MASTERDOWN'}
