@@ -881,6 +881,16 @@ def check_pool_loaded_again_after_the_redis_restart(cluster: Cluster) -> None:
     assert len(epochs) == 2, loads
 
 
+async def extra_after_redis_restart(cluster: Cluster, restarted: tuple[float, float], times: dict[str, float],
+                                    extra: dict[str, Output]) -> None:
+    """Note when Redis stopped and answered again, then run the EXTRA requests (whole) on it."""
+    times["stopped"], times["answering"] = restarted
+    times["restarted_monotonic"] = time.monotonic()
+    async with session() as http:
+        await asyncio.gather(*(whole_request(http, cluster, spec, extra.setdefault(spec.name, Output()))
+                               for spec in EXTRA))
+
+
 @pytest.mark.parametrize("down_seconds", [0.0, 3.0], ids=["at-once", "down-3s"])
 def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_seconds):
     """Redis (`appendfsync everysec`) may lose its last writes with its process, acknowledged or
@@ -894,11 +904,7 @@ def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_
         async def fault(outputs: dict[str, Output]) -> None:
             await until(all_have(outputs, 8), "8 tokens in every stream")
             restarted = await asyncio.to_thread(cluster.restart_redis, True, down_seconds)
-            times["stopped"], times["answering"] = restarted
-            times["restarted_monotonic"] = time.monotonic()
-            async with session() as http:
-                await asyncio.gather(*(whole_request(http, cluster, spec, extra.setdefault(spec.name, Output()))
-                                       for spec in EXTRA))
+            await extra_after_redis_restart(cluster, restarted, times, extra)
 
         outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
         check_same_as_baseline(outputs, baseline, "after Redis restarted")
@@ -939,11 +945,7 @@ def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_g
                                              for output in outputs.values())
             finally:
                 client.close()
-            times["stopped"], times["answering"] = restarted
-            times["restarted_monotonic"] = time.monotonic()
-            async with session() as http:
-                await asyncio.gather(*(whole_request(http, cluster, spec, extra.setdefault(spec.name, Output()))
-                                       for spec in EXTRA))
+            await extra_after_redis_restart(cluster, restarted, times, extra)
 
         outputs = asyncio.run(run_all(cluster, LONG, fault))
         assert counts["entries_kept"] < counts["tokens_seen"], f"no token entry was lost: {counts}"
