@@ -63,3 +63,44 @@ async def test_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url
     finally:
         await client.delete("exchange:stream")
         await client.aclose()
+
+
+async def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url):
+    """RedisLink.commands builds its own commands' arguments (MULTI/EXEC, the token EVAL, XADD,
+    SET, XREAD) without redis-py: the same tuples as redis-py's pipeline gives, the rare others
+    still by redis-py, in order; and a real Redis runs them."""
+    from services.scheduler.redis_link import READ_COUNT, TOKENS_SCRIPT, RedisLink
+
+    client = connect(redis_url)
+    try:
+        link = RedisLink(client, on_write_failed=lambda write, error: None)
+        link.queue("xadd", "plans:w1", {"m": b"plan"}, maxlen=1000, approximate=True)
+        link.queue_token("r1", "tokens:r1", "0-1", b"entry")
+        link.queue("xadd", "iterations", {"m": b"record"}, maxlen=5, approximate=False)
+        link.queue("xadd", "plain", {"a": b"1", "b": "2"})
+        link.queue("hset", "request:r1", mapping={"status": "finished"})
+        link.queue("expire", "request:r1", 60)
+        link.queue("srem", "active", "r1")
+        link.queue("xtrim", "plain", minid="0-1", approximate=False)
+        link.queue("set", "heartbeat", b"info", px=3000)
+        for block_ms in (50, None):
+            _, commands, arguments = link.commands(block_ms)
+            reference = client.pipeline(transaction=False)
+            reference.execute_command("MULTI")
+            for command in commands:
+                if isinstance(command, int):
+                    reference.eval(TOKENS_SCRIPT, 0, link.tokens.packed(command))
+                else:
+                    getattr(reference, command.command)(*command.args, **command.kwargs)
+            reference.execute_command("EXEC")
+            reference.xread(dict(link.read_ids), count=READ_COUNT, block=block_ms)
+            assert arguments == [command_arguments for command_arguments, _ in reference.command_stack]
+        assert [arguments[0] for arguments in arguments] == ["MULTI", "XADD", "EVAL", "XADD", "XADD", "HSET",
+                                                            "EXPIRE", "SREM", "XTRIM", "SET", "EXEC", "XREAD"]
+        replies = await link.round_trip(block_ms=None)
+        assert replies == []  # nothing in the input streams; every write ran
+        assert await client.xlen("plans:w1") == 1 and await client.get("heartbeat") == b"info"
+        assert [entry_id for entry_id, _ in await client.xrange("tokens:r1")] == [b"0-1"]
+        assert await client.xlen("iterations") == 1 and await client.xlen("plain") == 1
+    finally:
+        await client.aclose()

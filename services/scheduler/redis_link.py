@@ -12,9 +12,11 @@ wait in columns (TokenColumns: stream keys, entry ids, payloads), not as a Write
 entry is the one write made for every request at every step, and the columns go to Redis as one
 msgpack array of three lists, with no object or tuple built per token.
 
-The round trip is the scheduler's busiest Redis call: redis-py's command methods build every
-command's arguments, and they go out as one Exchange (shared/redis_exchange.py: one write on a
-connection the link keeps, the replies read back in order, without redis-py's pipeline machinery).
+The round trip is the scheduler's busiest Redis call. Its own commands' arguments (MULTI/EXEC,
+the token EVAL, a plan's or a record's XADD, the heartbeat's SET, the XREAD) are built here as
+redis-py builds them, the rare others by redis-py's command methods, and they go out as one
+Exchange (shared/redis_exchange.py: one write on a connection the link keeps, the replies read
+back in order, without redis-py's pipeline machinery).
 
 The input streams are trimmed to what this scheduler has read (nobody else reads them; a
 restarted scheduler rebuilds from the active set, not from them).
@@ -198,6 +200,23 @@ class RedisLink:
                 self._trimmed_ids[stream] = read_up_to
         self._read_since_trim = 0
 
+    def arguments(self, write: Write, builder: list) -> tuple:
+        """A write's command arguments as redis-py builds them: the round trip's own commands (a
+        plan's or a record's XADD, the heartbeat's SET) directly, the rare others by redis-py's
+        pipeline (builder[0], made at the first: it only builds, it never sends)."""
+        command, args, kwargs = write.command, write.args, write.kwargs
+        if command == "xadd" and len(args) == 2 and kwargs.keys() <= {"maxlen", "approximate"}:
+            maxlen = kwargs.get("maxlen")
+            limit = () if maxlen is None else (b"MAXLEN", b"~", str(maxlen)) if kwargs.get("approximate", True) \
+                else (b"MAXLEN", str(maxlen))
+            return ("XADD", args[0], *limit, "*", *[part for field in args[1].items() for part in field])
+        if command == "set" and len(args) == 2 and kwargs.keys() == {"px"}:
+            return ("SET", *args, "PX", kwargs["px"])
+        if not builder:
+            builder.append(self.redis.pipeline(transaction=False))
+        getattr(builder[0], command)(*args, **kwargs)
+        return builder[0].command_stack.pop()[0]
+
     def commands(self, block_ms: int | None, read: bool = True) -> tuple[list[Write], list, list[tuple]]:
         """The next round trip: the writes it sends, its commands (a Write, or the count of token
         entries that one EVAL writes, at the first mark) and every command's arguments, MULTI to
@@ -214,18 +233,21 @@ class RedisLink:
                 marked = True
                 if token_count:
                     commands.append(token_count)
-        pipe = self.redis.pipeline(transaction=False)  # only builds the commands' arguments: never sent
+        arguments: list[tuple] = []
+        builder: list = []
         if commands:
-            pipe.execute_command("MULTI")
+            arguments.append(("MULTI",))
             for command in commands:
                 if isinstance(command, int):
-                    pipe.eval(TOKENS_SCRIPT, 0, self.tokens.packed(command))
+                    arguments.append(("EVAL", TOKENS_SCRIPT, 0, self.tokens.packed(command)))
                 else:
-                    getattr(pipe, command.command)(*command.args, **command.kwargs)
-            pipe.execute_command("EXEC")
+                    arguments.append(self.arguments(command, builder))
+            arguments.append(("EXEC",))
         if read:
-            pipe.xread(dict(self.read_ids), count=READ_COUNT, block=block_ms)
-        return writes, commands, [command_arguments for command_arguments, _ in pipe.command_stack]
+            streams = self.read_ids
+            block = () if block_ms is None else (b"BLOCK", str(block_ms))
+            arguments.append(("XREAD", *block, b"COUNT", str(READ_COUNT), b"STREAMS", *streams, *streams.values()))
+        return writes, commands, arguments
 
     async def round_trip(self, block_ms: int | None, read: bool = True) -> list:
         """Every queued write as one MULTI/EXEC (the token entries in one EVAL where the first of
