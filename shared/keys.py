@@ -72,6 +72,10 @@ class ModelKeys:
         return self._key("scheduler:incarnation")
 
 
+# Lua: this Redis server's run_id, new at every start of redis-server (the scripts that set and
+# compare ModelKeys.incarnation, and the scheduler's liveness poll, read it so).
+REDIS_RUN_ID_LUA = "string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')"
+
 SINGLE_MODEL = ModelKeys()
 # The unnamed group's keys under their historical names (tests, benchmarks, docs).
 NEW_REQUESTS_STREAM = SINGLE_MODEL.new_requests

@@ -28,9 +28,9 @@ log = logging.getLogger("iterserve.scheduler")
 # Reply: the number listed, then the ids (listed first) and their heartbeats (nil: no key), and
 # the Redis server's run_id (new at each start of redis-server).
 # (Standalone Redis: the heartbeat keys are not declared, as TOKENS_SCRIPT's streams are not.)
-LIVENESS_SCRIPT = """
-local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
-local ids = redis.call('SMEMBERS', KEYS[1])
+LIVENESS_SCRIPT = f"""
+local run_id = {keys.REDIS_RUN_ID_LUA}
+""" + """local ids = redis.call('SMEMBERS', KEYS[1])
 local listed, asked = #ids, {}
 for _, id in ipairs(ids) do asked[id] = true end
 for i = 2, #ARGV do

@@ -24,8 +24,8 @@ LOAD_BATCH = 256  # requests loaded per round trip
 # The pool is loaded under this epoch (ARGV[1]) from this Redis server: "EPOCH RUN_ID" into
 # ModelKeys.incarnation, at one instant with reading the server's run_id, which comes back. From
 # then on no worker writes an entry for a plan of an older epoch or from before a Redis restart.
-INCARNATION_SCRIPT = """
-local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+INCARNATION_SCRIPT = f"""
+local run_id = {keys.REDIS_RUN_ID_LUA}
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. run_id)
 return run_id
 """

@@ -158,6 +158,7 @@ class RedisLink:
         self._read_since_trim = 0
         self.exchange = Exchange(redis)  # the round trip's own connection
         self.run_id = ""  # the Redis server's the pool was loaded from (PoolLoader.load_state)
+        self._builder = redis.pipeline(transaction=False)  # builds the rare commands' arguments, never sends
 
     def queue(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.writes.append(Write(command, args, kwargs))
@@ -200,10 +201,10 @@ class RedisLink:
                 self._trimmed_ids[stream] = read_up_to
         self._read_since_trim = 0
 
-    def arguments(self, write: Write, builder: list) -> tuple:
+    def arguments(self, write: Write) -> tuple:
         """A write's command arguments as redis-py builds them: the round trip's own commands (a
         plan's or a record's XADD, the heartbeat's SET) directly, the rare others by redis-py's
-        pipeline (builder[0], made at the first: it only builds, it never sends)."""
+        pipeline (it only builds them: never sent)."""
         command, args, kwargs = write.command, write.args, write.kwargs
         if command == "xadd" and len(args) == 2 and kwargs.keys() <= {"maxlen", "approximate"}:
             maxlen = kwargs.get("maxlen")
@@ -212,10 +213,8 @@ class RedisLink:
             return ("XADD", args[0], *limit, "*", *[part for field in args[1].items() for part in field])
         if command == "set" and len(args) == 2 and kwargs.keys() == {"px"}:
             return ("SET", *args, "PX", kwargs["px"])
-        if not builder:
-            builder.append(self.redis.pipeline(transaction=False))
-        getattr(builder[0], command)(*args, **kwargs)
-        return builder[0].command_stack.pop()[0]
+        getattr(self._builder, command)(*args, **kwargs)
+        return self._builder.command_stack.pop()[0]
 
     def commands(self, block_ms: int | None, read: bool = True) -> tuple[list[Write], list, list[tuple]]:
         """The next round trip: the writes it sends, its commands (a Write, or the count of token
@@ -234,14 +233,13 @@ class RedisLink:
                 if token_count:
                     commands.append(token_count)
         arguments: list[tuple] = []
-        builder: list = []
         if commands:
             arguments.append(("MULTI",))
             for command in commands:
                 if isinstance(command, int):
                     arguments.append(("EVAL", TOKENS_SCRIPT, 0, self.tokens.packed(command)))
                 else:
-                    arguments.append(self.arguments(command, builder))
+                    arguments.append(self.arguments(command))
             arguments.append(("EXEC",))
         if read:
             streams = self.read_ids

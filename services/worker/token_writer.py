@@ -43,12 +43,11 @@ from shared.wire import encode_plain_token_events
 # seen the restart and loaded the pool from what Redis kept, under a new epoch. (A plan's result is
 # not needed then: the scheduler ignores any of an older epoch.)
 STALE = b"STALE"
-WRITE_SCRIPT = """
-local server = redis.call('INFO', 'server')
-if redis.call('GET', KEYS[2]) ~= ARGV[4] .. ' ' .. string.match(server, 'run_id:(%w+)') then
+WRITE_SCRIPT = f"""
+if redis.call('GET', KEYS[2]) ~= ARGV[4] .. ' ' .. {keys.REDIS_RUN_ID_LUA} then
   return redis.status_reply('STALE')
 end
-local columns = cmsgpack.unpack(ARGV[1])
+""" + """local columns = cmsgpack.unpack(ARGV[1])
 local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], columns[3], columns[4]
 local refusals = {'OOM', 'READONLY', 'MISCONF', 'NOREPLICAS', 'MASTERDOWN'}
 local failed = {}
