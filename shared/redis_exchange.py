@@ -1,22 +1,35 @@
 """Commands sent to Redis in one write on a connection kept for the purpose, their replies read
-back in order: the hot paths' way (the scheduler's round trip, a worker's result), without
-redis-py's pipeline machinery around each call (response callbacks, retries, a connection taken
-from the pool and given back, a time limit per reply). That machinery cost about 110 µs of CPU a
-call at batch 64, measured: `benchmarks/scheduler_cpu.py --round-trips 2000`.
+back in order: the hot paths' way (the scheduler's round trip, a worker's result and its plan
+reads), with none of redis-py's machinery around each call.
 
-redis-py still connects (TLS, a password, the database), checks the connection's health and
-parses the replies; hiredis encodes the commands. An error reply comes back in its command's place,
-as redis-py's exception for it (OutOfMemoryError, ExecAbortError, ...); a lost connection raises.
-An exchange broken off (an error, a cancel, the caller's time limit) leaves no reply to be read as
-the next one's: redis-py drops a connection whose send or read is interrupted, and the next send
-reconnects (tests/test_redis_exchange.py). No time limit here: callers bound the call.
+redis-py connects (TLS, a password, the database) and hiredis encodes the commands and parses the
+replies; the rest is here. The commands go out as one write on the connection's stream, and the
+replies are read from it into a hiredis reader of the exchange's own, all those that came in one
+read parsed at once. redis-py's pipeline cost about 110 µs of CPU a round trip at batch 64, and
+its per-command send and read (a health check before each send, a time limit and a parser call per
+reply) about 25-35 µs more than this (`benchmarks/scheduler_cpu.py --round-trips 2000`). This
+reads two private attributes of redis-py's asyncio connection, its stream reader and writer
+(`_reader`, `_writer`: every redis-py since the asyncio client's start, TCP, TLS and Unix socket
+alike); a redis-py without them fails the first exchange with a clear error and
+tests/test_redis_exchange.py.
+
+An error reply comes back in its command's place, as redis-py's exception for it (OutOfMemoryError,
+ExecAbortError, ...); a lost connection raises ConnectionError. An exchange broken off (an error,
+a cancel, the caller's time limit) closes the connection, so no reply of it is ever read as the
+next one's; the next exchange connects again. No health check before a send (redis-py's reconnects
+silently after 10 s idle): a dead connection shows as an error on the exchange that finds it. No
+time limit here: callers bound the call.
 """
 
-import math
+import asyncio
 from typing import Any
 
 import hiredis
-from redis.exceptions import ResponseError
+from redis._parsers import BaseParser
+from redis.exceptions import ConnectionError
+
+READ_SIZE = 65536
+_MORE = object()  # the parser's "not a whole reply yet" (False is a reply in RESP3)
 
 
 def encoded(commands: list[tuple]) -> bytes:
@@ -37,6 +50,8 @@ class Exchange:
     def __init__(self, client: Any) -> None:
         self.client = client  # a redis.asyncio client: its pool gives the connection, once
         self._connection: Any = None
+        self._stream: asyncio.StreamReader | None = None  # the connection's stream the parser reads
+        self._parser: Any = None
         self._sending = False
 
     async def send(self, commands: list[tuple]) -> list:
@@ -47,6 +62,12 @@ class Exchange:
         self._sending = True
         try:
             return await self._send(commands)
+        except BaseException:
+            # Broken off: replies of it may still come. The connection goes, with them (redis-py's
+            # own read does the same).
+            if self._connection is not None:
+                await self._connection.disconnect(nowait=True)
+            raise
         finally:
             self._sending = False
 
@@ -58,14 +79,30 @@ class Exchange:
             await self.client.connection_pool.release(connection)
 
     async def _send(self, commands: list[tuple]) -> list:
-        if self._connection is None:
-            self._connection = await self.client.connection_pool.get_connection()
         connection = self._connection
-        await connection.send_packed_command(encoded(commands))
-        replies = []
-        for _ in commands:
-            try:
-                replies.append(await connection.read_response(timeout=math.inf))
-            except ResponseError as error:
-                replies.append(error)
-        return replies
+        if connection is None:
+            connection = self._connection = await self.client.connection_pool.get_connection()
+        if not connection.is_connected:
+            await connection.connect()
+        stream, writer = getattr(connection, "_reader", None), getattr(connection, "_writer", None)
+        if stream is not self._stream:  # connected anew: nothing of the old stream is left to parse
+            if not isinstance(stream, asyncio.StreamReader) or not isinstance(writer, asyncio.StreamWriter):
+                raise RuntimeError("this redis-py's asyncio Connection has no _reader/_writer streams: "
+                                   "shared/redis_exchange.py needs them (pin redis-py to a version that has)")
+            self._stream, self._parser = stream, hiredis.Reader(replyError=BaseParser.parse_error,
+                                                                 notEnoughData=_MORE)
+        writer.write(encoded(commands))
+        if writer.transport.get_write_buffer_size():  # (the socket did not take it all at once)
+            await writer.drain()
+        parser, replies, count = self._parser, [], len(commands)
+        while True:
+            reply = parser.gets()
+            while reply is not _MORE:
+                replies.append(reply)
+                if len(replies) == count:
+                    return replies
+                reply = parser.gets()
+            data = await stream.read(READ_SIZE)
+            if not data:
+                raise ConnectionError("Redis closed the connection")
+            parser.feed(data)

@@ -4,7 +4,7 @@ as redis-py's exception, and no reply of an exchange broken off ever read as ano
 import asyncio
 
 import pytest
-from redis.exceptions import ExecAbortError, ResponseError
+from redis.exceptions import ConnectionError, ExecAbortError, ResponseError
 
 from shared.redis_connection import connect
 from shared.redis_exchange import Exchange
@@ -64,6 +64,31 @@ async def test_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url
         await client.delete("exchange:stream")
         await client.aclose()
 
+
+
+async def test_replies_split_across_reads_and_a_connection_redis_closed(redis_url):
+    """The exchange parses what each read of the socket brings: replies larger than one read and
+    many in one read alike; a connection Redis closed raises on the exchange that finds it, and the
+    next exchange connects again."""
+    client = connect(redis_url)
+    exchange = Exchange(client)
+    try:
+        large = bytes(range(256)) * 1200  # 300 KB: several reads of the socket
+        await client.set("exchange:large", large)
+        echoes = [("ECHO", f"e{index}") for index in range(300)]
+        replies = await exchange.send([("GET", "exchange:large"), *echoes, ("GET", "exchange:large")])
+        assert replies[0] == replies[-1] == large
+        assert replies[1:-1] == [f"e{index}".encode() for index in range(300)]
+        [connection_id] = await exchange.send([("CLIENT", "ID")])
+        assert await client.client_kill_filter(_id=connection_id) == 1
+        with pytest.raises((ConnectionError, OSError)):
+            await exchange.send([("ECHO", "lost")])
+        [new_id] = await exchange.send([("CLIENT", "ID")])
+        assert new_id != connection_id
+        assert await exchange.send([("ECHO", "again"), ("GET", "exchange:large")]) == [b"again", large]
+    finally:
+        await client.delete("exchange:large")
+        await client.aclose()
 
 async def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url):
     """RedisLink.commands builds its own commands' arguments (MULTI/EXEC, the token EVAL, XADD,
