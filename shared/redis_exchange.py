@@ -26,7 +26,7 @@ from typing import Any
 
 import hiredis
 from redis._parsers import BaseParser
-from redis.exceptions import ConnectionError
+from redis.exceptions import ConnectionError, InvalidResponse
 
 READ_SIZE = 65536
 _MORE = object()  # the parser's "not a whole reply yet" (False is a reply in RESP3)
@@ -89,8 +89,9 @@ class Exchange:
             if not isinstance(stream, asyncio.StreamReader) or not isinstance(writer, asyncio.StreamWriter):
                 raise RuntimeError("this redis-py's asyncio Connection has no _reader/_writer streams: "
                                    "shared/redis_exchange.py needs them (pin redis-py to a version that has)")
-            self._stream, self._parser = stream, hiredis.Reader(replyError=BaseParser.parse_error,
-                                                                 notEnoughData=_MORE)
+            self._stream = stream
+            self._parser = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error,
+                                          notEnoughData=_MORE)
         writer.write(encoded(commands))
         if writer.transport.get_write_buffer_size():  # (the socket did not take it all at once)
             await writer.drain()
