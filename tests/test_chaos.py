@@ -927,38 +927,56 @@ def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_g
     is slow (or with its machine): its append-only file is cut back to a second before the kill.
     The plans, results, token entries and heartbeats of the lost 0.6 s are gone, while
     the scheduler, the workers and the clients remember them. The pool is loaded again from what
-    Redis kept: every request completes exact, with no gap or duplicate in its stream."""
+    Redis kept: every request completes exact, with no gap or duplicate in its stream. Two requests
+    accepted in the lost 0.6 s (their every key gone) are submitted again by the gateway that
+    accepted them, and their clients get the whole output, exact, with nothing twice."""
     with Cluster(**executor, workers=2, redis_args=("--aof-timestamp-enabled", "yes")) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
         counts: dict[str, int] = {}
+        lost = {spec.name: Output() for spec in LONG[:2]}  # the same requests again, accepted in the lost writes
 
         async def fault(outputs: dict[str, Output]) -> None:
             await until(all_have(outputs, 4), "4 tokens in every stream")
             kept = int(time.time())
-            await asyncio.sleep(kept + 1.6 - time.time())  # the writes from second kept + 1 on are lost
-            counts["tokens_seen"] = sum(len(output.pieces) for output in outputs.values())
-            restarted = await asyncio.to_thread(cluster.restart_redis_losing_writes_after, kept)
-            client = cluster.redis_client()
-            try:
-                counts["entries_kept"] = sum(client.xlen(keys.token_stream(output.request_id))
-                                             for output in outputs.values())
-            finally:
-                client.close()
-            await extra_after_redis_restart(cluster, restarted, times, extra)
+            await asyncio.sleep(kept + 1.05 - time.time())  # the writes from second kept + 1 on are lost
+            async with session() as http:
+                accepted = [asyncio.create_task(stream_request(http, cluster, spec, lost[spec.name]))
+                            for spec in LONG[:2]]
+                await until(lambda: all(output.request_id for output in lost.values()), "accepted (headers sent)")
+                await asyncio.sleep(max(0.0, kept + 1.6 - time.time()))
+                counts["tokens_seen"] = sum(len(output.pieces) for output in outputs.values())
+                restarted = await asyncio.to_thread(cluster.restart_redis_losing_writes_after, kept)
+                client = cluster.redis_client()
+                try:
+                    counts["entries_kept"] = sum(client.xlen(keys.token_stream(output.request_id))
+                                                 for output in outputs.values())
+                    counts["lost_requests_kept"] = sum(client.exists(keys.request_key(output.request_id))
+                                                       for output in lost.values())
+                finally:
+                    client.close()
+                await extra_after_redis_restart(cluster, restarted, times, extra)
+                await asyncio.gather(*accepted)
 
         outputs = asyncio.run(run_all(cluster, LONG, fault))
         assert counts["entries_kept"] < counts["tokens_seen"], f"no token entry was lost: {counts}"
+        assert counts["lost_requests_kept"] == 0, f"a request accepted in the lost writes was kept: {counts}"
         check_same_as_baseline(outputs, baseline, "after Redis lost its last writes")
         check_same_as_baseline(extra, baseline, "accepted after Redis lost its last writes")
+        check_same_as_baseline(lost, baseline, "accepted in the writes Redis lost")
+        submitted_again = cluster.log_events("gateway", "submitted again")
+        assert {re.search(r" id=(\S+)", line).group(1) for _, line in submitted_again} == {
+            output.request_id for output in lost.values()}, submitted_again
         check_token_streams(cluster, outputs)
+        check_token_streams(cluster, lost)
         check_nothing_left(cluster)
         check_pool_loaded_again_after_the_redis_restart(cluster)
         check_recovered_by_liveness_not_by_the_stall_fallback(cluster, outputs)
         report("redis_sigkill_losing_writes", tokens_seen_by_clients=counts["tokens_seen"],
                token_entries_kept=counts["entries_kept"],
                redis_down_seconds=round(times["answering"] - times["stopped"], 2),
-               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster),
+               lost_requests_longest_stream_gap=round(longest_gap(lost), 2))
 
 
 def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline, executor):

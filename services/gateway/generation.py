@@ -8,6 +8,7 @@ and independently every idle wait checks the transport and every stream write ca
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 from aiohttp import web
@@ -85,6 +86,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
                     logprobs=sampling.logprobs >= 0)
     answer.ticket = ticket
+    answer.resubmit = lambda: state.store.submit(record, model.name, model.keys)
     request[ANSWER] = answer
     try:
         with state.metrics.in_flight.track_inprogress():
@@ -206,6 +208,8 @@ class Answer:
         self.finished = False
         self.outcome_counted = False
         self.ticket: Ticket | None = None  # its place among the waiting requests and the key's open ones
+        # Submits it again if Redis lost it (Store.follow_tokens): set by the gateway that accepted it, holding it
+        self.resubmit: Callable[[], Awaitable[None]] | None = None
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # every token's, in order
         self._logprobs_sent = 0  # how many of them a stream has sent
         self._characters = 0  # length of the text so far (the next token's text_offset)
@@ -321,7 +325,7 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
 
 async def _final_event(request: web.Request, answer: Answer) -> TokenEvent:
     """Collect the output into `answer` until the final event, which it returns."""
-    async with aclosing(answer.state.store.follow_tokens(answer.request_id)) as events:
+    async with aclosing(answer.state.store.follow_tokens(answer.request_id, resubmit=answer.resubmit)) as events:
         async for event in events:
             if event is None:
                 if transport_closed(request):
@@ -376,7 +380,8 @@ async def _stream_events(
     if answer.endpoint.is_chat:
         await response.write(chunks.role())
     last_write = time.monotonic()
-    async with aclosing(answer.state.store.follow_tokens(answer.request_id, answer.start_index)) as events:
+    async with aclosing(answer.state.store.follow_tokens(answer.request_id, answer.start_index,
+                                                                answer.resubmit)) as events:
         async for event in events:
             if event is None:
                 if transport_closed(request):

@@ -13,7 +13,7 @@ within BLOCK_MS).
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,7 +31,9 @@ log = logging.getLogger("iterserve.gateway")
 REDIS_TIMEOUT_SECONDS = 4.0  # one command; connect() retries inside this through a restart
 BLOCK_MS = 1000  # one XREAD wait: also how often a follower checks on its client
 STATUS_CHECK_EVERY = 5  # idle XREADs between looks at the request's status (a final event may never come)
+# ... and a first look after one: a request Redis lost (follow_tokens) is found a second after its last token
 OUTAGE_SECONDS = 30.0  # how long a follower rides out an unreachable Redis before giving up
+MAX_RESUBMITS = 3  # times a follower submits again a request Redis lost (follow_tokens)
 READ_COUNT = 256
 TERMINAL_STATUSES = frozenset({"finished", "cancelled", "failed"})
 STATUS_FINISH_REASON = {"finished": "stop", "cancelled": "cancelled", "failed": "error"}
@@ -171,17 +173,25 @@ class Store:
     async def token_event_count(self, request_id: str) -> int:
         return await self._call(self.redis.xlen(keys.token_stream(request_id)))
 
-    async def follow_tokens(self, request_id: str, start_index: int = 0) -> AsyncIterator[TokenEvent | None]:
+    async def follow_tokens(self, request_id: str, start_index: int = 0,
+                            resubmit: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[TokenEvent | None]:
         """Each TokenEvent from output index start_index on, ending with the final one.
 
         Yields None after every idle wait (about BLOCK_MS) so the caller can check on its client.
         When the request ended without a final event (its status is terminal, or its key is gone),
         yields a synthesized final event with token_id -1. Rides out a Redis outage of up to
         OUTAGE_SECONDS, then raises ServiceUnavailable.
+
+        resubmit (the gateway that accepted the request, while it waits for it): a request whose key
+        is gone while it has not ended (looked at after one idle wait, then every STATUS_CHECK_EVERY)
+        was accepted in writes a restarted Redis lost (README, "fsync policy"); it is submitted
+        again, as it was, up to MAX_RESUBMITS times, and followed on from the entry read last. Its
+        output is the same again (seeded, and its entries' ids are their output indexes), so the
+        reader misses nothing and sees nothing twice.
         """
         stream = keys.token_stream(request_id)
         last_entry_id: bytes | str = "0-0"
-        idle_waits = 0
+        idle_waits = resubmits = 0
         outage_since: float | None = None
         while True:
             try:
@@ -201,8 +211,16 @@ class Store:
             entries = reply[0][1] if reply else []
             if not entries:
                 idle_waits += 1
-                if idle_waits % STATUS_CHECK_EVERY == 0:
-                    final = await self._final_without_event(request_id, stream, last_entry_id)
+                if idle_waits == 1 or idle_waits % STATUS_CHECK_EVERY == 0:
+                    state = await self.request_state(request_id)
+                    if state is None and resubmit is not None and resubmits < MAX_RESUBMITS:
+                        resubmits += 1
+                        log.warning("request lost by Redis, submitted again id=%s after_entry=%s", request_id,
+                                    last_entry_id.decode() if isinstance(last_entry_id, bytes) else last_entry_id)
+                        await resubmit()
+                        yield None
+                        continue
+                    final = await self._final_without_event(request_id, stream, last_entry_id, state)
                     if final is not None:
                         yield final
                         return
@@ -254,10 +272,10 @@ class Store:
             yield records
 
     async def _final_without_event(
-        self, request_id: str, stream: str, last_entry_id: bytes | str
+        self, request_id: str, stream: str, last_entry_id: bytes | str, state: RequestState | None
     ) -> TokenEvent | None:
-        """A final event standing in for one that will never come, or None while the request lives."""
-        state = await self.request_state(request_id)
+        """A final event standing in for one that will never come, or None while the request lives
+        (state: its status, just read)."""
         if state is not None and not state.terminal:
             return None
         # The scheduler may set the status just before it appends the final event: look once more.
