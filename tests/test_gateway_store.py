@@ -31,7 +31,7 @@ def redis_url():
 
 @pytest.fixture
 def quick_status_checks(monkeypatch):
-    """A status look every 5 idle waits of 0.1 s (not of 1 s)."""
+    """Idle waits of 0.1 s (not 1 s): a status look after the first, then every 5th."""
     monkeypatch.setattr(store_module, "BLOCK_MS", 100)
 
 

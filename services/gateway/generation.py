@@ -380,8 +380,8 @@ async def _stream_events(
     if answer.endpoint.is_chat:
         await response.write(chunks.role())
     last_write = time.monotonic()
-    async with aclosing(answer.state.store.follow_tokens(answer.request_id, answer.start_index,
-                                                                answer.resubmit)) as events:
+    events = answer.state.store.follow_tokens(answer.request_id, answer.start_index, answer.resubmit)
+    async with aclosing(events) as events:
         async for event in events:
             if event is None:
                 if transport_closed(request):
