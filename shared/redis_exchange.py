@@ -37,13 +37,17 @@ def encoded(commands: list[tuple]) -> bytes:
     return b"".join([hiredis.pack_command(command) for command in commands])
 
 
+def stream_entries(reply: Any) -> list[tuple[Any, dict]]:
+    """XRANGE's reply (or one stream's of XREAD) as an Exchange gives it, as redis-py's xrange gives
+    it: [(entry id, {field: value})]."""
+    return [(entry_id, dict(zip(fields[::2], fields[1::2])) if fields else {}) for entry_id, fields in reply or ()]
+
+
 def xread_entries(reply: Any) -> list[tuple[Any, list[tuple[Any, dict]]]]:
     """XREAD's reply as an Exchange gives it (a map in RESP3, pairs in RESP2, None when nothing came),
     as redis-py's xread gives it: [(stream, [(entry id, {field: value})])]."""
     streams = reply.items() if isinstance(reply, dict) else reply or ()
-    return [(stream, [(entry_id, dict(zip(fields[::2], fields[1::2])) if fields else {})
-                      for entry_id, fields in stream_entries])
-            for stream, stream_entries in streams]
+    return [(stream, stream_entries(entries)) for stream, entries in streams]
 
 
 class Exchange:

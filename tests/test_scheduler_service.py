@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -467,9 +468,14 @@ async def _run_workload(redis_client, settings, prefix: str, interrupt: bool) ->
     return results
 
 
-async def test_a_restarted_scheduler_finishes_every_request_with_the_same_output(redis_client, settings):
+async def test_a_restarted_scheduler_finishes_every_request_with_the_same_output(redis_client, settings, caplog):
+    caplog.set_level(logging.INFO, logger="iterserve.scheduler")
     uninterrupted = await _run_workload(redis_client, settings, "once", interrupt=False)
     restarted = await _run_workload(redis_client, settings, "twice", interrupt=True)
+    # (the fake tokens are a function of (seed, index): only the log tells output loaded from computed again)
+    loaded = [int(match.group(1)) for record in caplog.records
+              if (match := re.match(r"loaded request_id=twice-\S+ .*output_tokens=(\d+)", record.getMessage()))]
+    assert any(loaded), f"the restarted scheduler loaded no request with its output so far: {loaded}"
     for name, _, _ in WORKLOAD:
         assert restarted[name] == uninterrupted[name], f"request {name} differs after the restart"
     assert "".join(event.text for event in uninterrupted["a"]).endswith("ABC"), "text ends before the stop string"
