@@ -681,6 +681,21 @@ async def test_an_end_without_a_token_counts_every_token_the_stream_carried(gate
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 3
 
 
+async def test_a_streamed_end_without_a_token_repeats_no_resume_id(gateway, redis_client):
+    """The end (index 2: the tokens the scheduler applied) comes after the stream carried token 2
+    (a worker's entry of a token in flight): its chunk adds no token, so it carries no SSE id; the
+    ids stay where a reader resumes, each once (a reader takes a repeated id for a repeated token)."""
+    async with running(FakeScheduler(redis_client, counted_short_at=3)), asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "max_tokens": 10, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+        raw = (await response.read()).decode()
+    events = [event.split("\n") for event in raw.split("\n\n")[:-2]]
+    assert [lines[0] for lines in events if lines[0].startswith("id: ")] == ["id: 1", "id: 2", "id: 3"], raw
+    final = json.loads(events[-2][-1].removeprefix("data: "))
+    assert final["choices"][0]["finish_reason"] == "stop" and not events[-2][0].startswith("id: "), raw
+    assert json.loads(events[-1][-1].removeprefix("data: "))["usage"]["completion_tokens"] == 3
+
+
 async def test_a_bug_in_the_gateway_is_a_500_with_an_error_body_and_the_gateway_serves_on(
         gateway, scheduler, monkeypatch, caplog):
     """An unexpected exception is a bug: 500 (not a 503 that invites retries into it), an OpenAI

@@ -401,8 +401,10 @@ async def _stream_events(
             if event.finish_reason == "error":
                 await response.write(sse(request_failed(answer.request_id).body()))
             else:
+                # An end without a token adds none: its chunk carries no id (its index counts the tokens
+                # the scheduler applied, which may be fewer than the stream carried: docs/protocol.md)
                 await response.write(chunks.text(event.text, event.finish_reason,
-                                                 resume_from=event.index + 1 if event.index >= 0 else None,
+                                                 resume_from=event.index + 1 if event.token_id >= 0 else None,
                                                  logprobs=answer.unsent_logprobs()))
                 if include_usage:
                     await response.write(chunks.usage(token_usage))
