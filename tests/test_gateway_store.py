@@ -13,20 +13,11 @@ from shared import keys
 from shared.messages import RequestRecord, SamplingParams
 from shared.redis_connection import connect
 from shared.wire import encode_token_event
-from tests.redis_server import RedisProcess
 
 pytestmark = pytest.mark.timeout(60)
 
 REQUEST_ID = "cmpl-" + "ab" * 16
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisProcess().start()
-    try:
-        yield server.url
-    finally:
-        server.close()
+POOL = keys.ModelKeys("store-test")  # a pool of its own in the session's Redis (tests/conftest.py)
 
 
 @pytest.fixture
@@ -47,8 +38,8 @@ async def write_tokens(redis, indexes: range, final_at: int | None = None) -> No
 async def lose_everything(redis) -> None:
     """What a Redis that lost the writes since the request was accepted holds of it: nothing."""
     await redis.delete(keys.request_key(REQUEST_ID), keys.token_stream(REQUEST_ID))
-    await redis.srem(keys.ACTIVE_REQUESTS_SET, REQUEST_ID)
-    await redis.delete(keys.NEW_REQUESTS_STREAM)
+    await redis.srem(POOL.active_requests, REQUEST_ID)
+    await redis.delete(POOL.new_requests)
 
 
 async def test_a_request_redis_lost_is_submitted_again_and_read_on_from_where_it_was(redis_url, quick_status_checks):
@@ -60,10 +51,10 @@ async def test_a_request_redis_lost_is_submitted_again_and_read_on_from_where_it
 
     async def resubmit() -> None:
         submissions.append(time.monotonic())
-        await store.submit(record)
+        await store.submit(record, model_keys=POOL)
 
     try:
-        await store.submit(record)
+        await store.submit(record, model_keys=POOL)
         await write_tokens(redis, range(3))
         seen = []
 
@@ -83,8 +74,8 @@ async def test_a_request_redis_lost_is_submitted_again_and_read_on_from_where_it
                 await asyncio.sleep(0.02)
         # Submitted again as it was: its record, in the active set, announced to the scheduler.
         assert await redis.hget(keys.request_key(REQUEST_ID), "status") == b"waiting"
-        assert await redis.sismember(keys.ACTIVE_REQUESTS_SET, REQUEST_ID)
-        assert [fields[b"id"] for _, fields in await redis.xrange(keys.NEW_REQUESTS_STREAM)] == [REQUEST_ID.encode()]
+        assert await redis.sismember(POOL.active_requests, REQUEST_ID)
+        assert [fields[b"id"] for _, fields in await redis.xrange(POOL.new_requests)] == [REQUEST_ID.encode()]
         # The request runs again from its start: the reader gets what follows what it had, once.
         await write_tokens(redis, range(6), final_at=5)
         async with asyncio.timeout(10):
@@ -92,8 +83,8 @@ async def test_a_request_redis_lost_is_submitted_again_and_read_on_from_where_it
         assert [event.index for event in seen] == [0, 1, 2, 3, 4, 5]
         assert seen[-1].finish_reason == "length" and len(submissions) == 1
     finally:
-        await redis.delete(keys.request_key(REQUEST_ID), keys.token_stream(REQUEST_ID), keys.ACTIVE_REQUESTS_SET,
-                           keys.NEW_REQUESTS_STREAM)
+        await redis.delete(keys.request_key(REQUEST_ID), keys.token_stream(REQUEST_ID), POOL.active_requests,
+                           POOL.new_requests)
         await redis.aclose()
 
 
