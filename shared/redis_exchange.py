@@ -7,11 +7,11 @@ replies; the rest is here. The commands go out as one write on the connection's 
 replies are read from it into a hiredis reader of the exchange's own, all those that came in one
 read parsed at once. redis-py's pipeline cost about 110 µs of CPU a round trip at batch 64, and
 its per-command send and read (a health check before each send, a time limit and a parser call per
-reply) about 25-35 µs more than this (`benchmarks/scheduler_cpu.py --round-trips 2000`). This
-reads two private attributes of redis-py's asyncio connection, its stream reader and writer
-(`_reader`, `_writer`: every redis-py since the asyncio client's start, TCP, TLS and Unix socket
-alike); a redis-py without them fails the first exchange with a clear error and
-tests/test_redis_exchange.py.
+reply) about 20 µs more than this: 105-109 against 86-88 (`benchmarks/scheduler_cpu.py
+--round-trips 2000`). This reads two private attributes of redis-py's asyncio connection, its
+stream reader and writer (`_reader`, `_writer`: every redis-py since the asyncio client's start,
+TCP, TLS and Unix socket alike); a redis-py without them fails the first exchange with a clear
+error, and tests/test_redis_exchange.py.
 
 An error reply comes back in its command's place, as redis-py's exception for it (OutOfMemoryError,
 ExecAbortError, ...); a lost connection raises ConnectionError. An exchange broken off (an error,
