@@ -83,6 +83,8 @@ class Exchange:
             await self.client.connection_pool.release(connection)
 
     async def _send(self, commands: list[tuple]) -> list:
+        if not commands:
+            return []  # (no reply to wait for: the read below would wait for one)
         connection = self._connection
         if connection is None:
             connection = self._connection = await self.client.connection_pool.get_connection()

@@ -65,7 +65,6 @@ async def test_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url
         await client.aclose()
 
 
-
 async def test_replies_split_across_reads_and_a_connection_redis_closed(redis_url):
     """The exchange parses what each read of the socket brings: replies larger than one read and
     many in one read alike; a connection Redis closed raises on the exchange that finds it, and the
@@ -89,6 +88,7 @@ async def test_replies_split_across_reads_and_a_connection_redis_closed(redis_ur
     finally:
         await client.delete("exchange:large")
         await client.aclose()
+
 
 async def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url):
     """RedisLink.commands builds its own commands' arguments (MULTI/EXEC, the token EVAL, XADD,
