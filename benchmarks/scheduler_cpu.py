@@ -64,11 +64,11 @@ from services.worker.token_writer import TokenWriter  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
-from shared.plans import PlanCodec, PlanReader, read_result  # noqa: E402
+from shared.plans import PlanReader, encode_plan, read_result, read_result_columns  # noqa: E402
 from shared.redis_connection import connect  # noqa: E402
 from shared.redis_exchange import encoded  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from shared.wire import encode  # noqa: E402
+from shared.wire import encode_flat  # noqa: E402
 
 PHASES = ("plan", "encode", "decode", "apply", "fanout", "pack")
 PROMPT_TOKENS, OUTPUT_TOKENS = 32, 256
@@ -93,7 +93,6 @@ class Harness:
         self.link = RedisLink(redis.asyncio.Redis(), on_write_failed=lambda write, error: None)
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, ResultHolding(False), 3600)
         self.worker_ids = [f"w{index}" for index in range(workers)]
-        self.codecs = {worker_id: PlanCodec() for worker_id in self.worker_ids}
         self.readers = {worker_id: PlanReader() for worker_id in self.worker_ids}
         self.token_writers = {worker_id: TokenWriter(self.tokenizer) for worker_id in self.worker_ids}
         self.kv_lengths: dict[str, int] = {}
@@ -162,7 +161,7 @@ class Harness:
                     self.seconds["plan"] += planned - started
                     if plan is None:
                         break
-                    data = self.codecs[worker_id].encode(plan)
+                    data = encode_plan(plan)
                     self.link.queue("xadd", keys.plan_stream(worker_id), {"m": data}, maxlen=1000, approximate=True)
                     for request_id in self.policy.joined(worker_id):
                         self.outputs.mark_running(request_id)
@@ -174,18 +173,18 @@ class Harness:
                 answer = msgpack.unpackb(self.in_flight[worker_id].popleft())["m"]
                 started = clock()
                 _, raw = read_result(answer)
-                result = self.codecs[worker_id].decode_result(raw)
+                result = read_result_columns(raw)
                 decoded = clock()
                 self.seconds["decode"] += decoded - started
                 outcomes = self.policy.on_result(result)
                 applied = clock()
                 self.seconds["apply"] += applied - decoded
-                self.outputs.publish_tokens(outcomes, worker_id, result.entries_written, result.unwritten)
+                self.outputs.publish_tokens(outcomes, worker_id)
                 self.outputs.publish_finished_without_token()
                 for record in self.policy.take_iteration_records():
                     self.batch_sum += len(record.request_ids)
                     self.iterations += 1
-                    self.link.queue("xadd", self.link.keys.iterations, {"m": encode(record)}, maxlen=1000,
+                    self.link.queue("xadd", self.link.keys.iterations, {"m": encode_flat(record)}, maxlen=1000,
                                     approximate=False)
                 self.seconds["fanout"] += clock() - applied
                 self.pack_writes()

@@ -12,16 +12,20 @@ handle and what changed (vLLM v1's new / cached request data). An item is one of
 Each field is one little-endian array for the whole plan (msgpack binary), so a plan of 64
 decoding requests is about 450 bytes and its result (a token per request) about 650. Results
 name their tokens by handle too, and repeat the output index they sampled (the scheduler checks
-it). `PlanCodec` (the scheduler's, one per worker) hands out the handles; `PlanReader` (the
-worker's) keeps them; both start over with a new scheduler epoch or a plan that says free_all.
-A plan naming a handle the worker does not hold gets an `unknown_request` error for that item.
+it). The scheduler's policy hands out the handles (a request's row on the worker:
+services/scheduler/running_rows.py) and builds each plan as these columns (ColumnPlan,
+encode_plan); it reads results as columns too (read_result_columns), so no object is made per item
+on its side. `PlanReader` (the worker's) keeps the handles; it starts over with a new scheduler
+epoch or a plan that says free_all. A plan naming a handle the worker does not hold gets an
+`unknown_request` error for that item. `PlanCodec` makes the same plans from BatchPlans, by
+request id, for tests and tools.
 
 Prefix caching adds three fields, all empty when it is off: blocks to register (handles, block
 indexes, hashes), hashes of blocks to evict, and on a new request the hashes of the cached blocks
 it starts with (hashes are 16 bytes each, concatenated).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,44 +90,172 @@ def _ints(raw: dict, kind: str, name: str, dtype: np.dtype, low: int = 0, high: 
     return values
 
 
+def _int_list(raw: dict, kind: str, name: str, dtype: np.dtype, low: int = 0, high: int = MAX_INDEX) -> list[int]:
+    """_ints as a list (the scheduler's side reads each value once, in Python)."""
+    data = raw.get(name, b"")
+    if not data:
+        return []
+    if not isinstance(data, bytes) or len(data) % dtype.itemsize:
+        raise WireError(f"{kind}: field {name!r} is not a whole number of {dtype}")
+    values = np.frombuffer(data, dtype=dtype).tolist()
+    smallest, past_largest = _RANGES[dtype]
+    if low > smallest and min(values) < low or high < past_largest and max(values) >= high:
+        raise WireError(f"{kind}: field {name!r} outside [{low}, {high})")
+    return values
+
+
+@dataclass(eq=False)
+class ColumnPlan:
+    """A plan as the scheduler sends it: each request named by its handle on the worker (the row it
+    holds in the scheduler's RunningRows), its items as columns, in wire order. The request ids
+    ride along for the scheduler's own records and for `items`, the plan as BatchPlan's items
+    (tests and tools read plans that way; the hot path never builds them)."""
+
+    scheduler_epoch: str
+    plan_id: int
+    worker_id: str
+    free_all: bool = False
+    new_requests: tuple[NewRequest, ...] = ()
+    new_handles: tuple[int, ...] = ()
+    free_request_ids: tuple[str, ...] = ()
+    free_handles: tuple[int, ...] = ()
+    register_blocks: tuple[tuple[str, int, bytes], ...] = ()  # (request id, block index, hash)
+    register_handles: tuple[int, ...] = ()
+    evict_blocks: tuple[bytes, ...] = ()
+    # Decodes that feed the token the worker sampled for them in the plan before: handle and output
+    # index (and start position, which the worker knows: for `items` only).
+    decode_handles: Sequence[int] = ()
+    decode_outputs: Sequence[int] = ()
+    decode_starts: Sequence[int] = ()
+    # The other items: handle, start position, token count, whether it samples, output index; and
+    # their tokens, flattened.
+    handles: Sequence[int] = ()
+    starts: Sequence[int] = ()
+    counts: Sequence[int] = ()
+    samples: Sequence[bool] = ()
+    outputs: Sequence[int] = ()
+    tokens: Sequence[int] = ()
+    item_ids: tuple[str, ...] = ()  # each item's request id: the decodes, then the others
+
+    @property
+    def item_count(self) -> int:
+        return len(self.item_ids)
+
+    @property
+    def items(self) -> tuple[StepItem, ...]:
+        decodes = len(self.decode_handles)
+        items = [StepItem(request_id, (), start, True, output_index, True) for request_id, start, output_index
+                 in zip(self.item_ids[:decodes], self.decode_starts, self.decode_outputs, strict=True)]
+        begin = 0
+        for request_id, start, count, sample, output_index in zip(
+                self.item_ids[decodes:], self.starts, self.counts, self.samples, self.outputs, strict=True):
+            items.append(StepItem(request_id, tuple(self.tokens[begin : begin + count]), start, bool(sample),
+                                  output_index))
+            begin += count
+        return tuple(items)
+
+
+def encode_plan(plan: ColumnPlan) -> bytes:
+    new = []
+    for handle, request in zip(plan.new_handles, plan.new_requests, strict=True):
+        entry = [handle, request.request_id, request.sampling.model_dump(mode="python"), b"".join(request.cached_blocks)]
+        if request.entries_below:
+            entry += [request.entries_below, request.first_output_index, _array(request.text_context, _I32)]
+        new.append(entry)
+    message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
+               "a": plan.free_all, "n": new, "x": _array(plan.free_handles, _U16),
+               "dh": _array(plan.decode_handles, _U16), "do": _array(plan.decode_outputs, _I32)}
+    if plan.register_blocks:
+        message |= {"rh": _array(plan.register_handles, _U16),
+                    "ri": _array([index for _, index, _ in plan.register_blocks], _I32),
+                    "rk": b"".join(block_hash for _, _, block_hash in plan.register_blocks)}
+    if plan.evict_blocks:
+        message["ev"] = b"".join(plan.evict_blocks)
+    if len(plan.handles):
+        message |= {"h": _array(plan.handles, _U16), "s": _array(plan.starts, _I32), "c": _array(plan.counts, _I32),
+                    "m": _array(plan.samples, np.uint8), "o": _array(plan.outputs, _I32),
+                    "t": _array(plan.tokens, _I32)}
+    return msgpack.packb(message, use_bin_type=True)
+
+
+@dataclass(eq=False, slots=True)
+class ResultColumns:
+    """A worker's answer as the scheduler reads it: its tokens by handle, as columns (each handle
+    read as the plan it answers named it: the scheduler's PlanInFlight knows how)."""
+
+    scheduler_epoch: str
+    plan_id: int
+    worker_id: str
+    handles: list[int]
+    token_ids: list[int]
+    output_indexes: list[int]
+    logprobs: dict[int, tuple[float, tuple]]  # position among the tokens -> (logprob, top logprobs)
+    errors: tuple[tuple[int, str, str], ...]  # (handle, code, message) of the items that did not run
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    step_seconds: float
+    # Whether it wrote its tokens' entries (PlanResult.entries_written), and the handles of the tokens
+    # it was to write and did not.
+    entries_written: bool
+    unwritten: list[int]
+
+
+def read_result_columns(raw: dict) -> ResultColumns:
+    """A worker's answer (as read_result gave it), validated."""
+    kind = "PlanResult"
+    handles = _int_list(raw, kind, "h", _U16)  # (a uint16 is a handle: the type keeps the range)
+    token_ids = _int_list(raw, kind, "t", _I32)
+    output_indexes = _int_list(raw, kind, "o", _I32)
+    if not len(handles) == len(token_ids) == len(output_indexes):
+        raise WireError(f"{kind}: {len(handles)} handles, {len(token_ids)} tokens, {len(output_indexes)} indexes")
+    errors = []
+    for entry in _field(raw, kind, "x", list, []):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+                and entry[1] in ERROR_CODES and isinstance(entry[2], str)):
+            raise WireError(f"{kind}: malformed error entry")
+        errors.append((entry[0], entry[1], entry[2][:1000]))
+    step_seconds = _field(raw, kind, "s", (int, float))
+    if not 0 <= step_seconds < 1e9:
+        raise WireError(f"{kind}: step_seconds out of range")
+    return ResultColumns(
+        scheduler_epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int),
+        worker_id=_field(raw, kind, "w", str), handles=handles, token_ids=token_ids, output_indexes=output_indexes,
+        logprobs=_logprobs(raw, kind, len(handles)) if "l" in raw else {}, errors=tuple(errors),
+        kv_blocks_total=_field(raw, kind, "kt", int), kv_blocks_free=_field(raw, kind, "kf", int),
+        kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds),
+        entries_written=_field(raw, kind, "ew", bool, False),
+        unwritten=_int_list(raw, kind, "eu", _U16))
+
+
 class PlanCodec:
-    """The scheduler's side, for one worker: plans to bytes, results from bytes."""
+    """Plans and results by request id, for one worker (tests and tools that make plans as
+    BatchPlans): hands out the handles, then encodes as the scheduler does. A handle freed by a
+    later plan may name another request by the time an answer comes: it is read as it was sent."""
 
     def __init__(self) -> None:
         self.epoch = ""
         self._handle_of: dict[str, int] = {}
-        self._request_of: dict[int, str] = {}
         self._free_handles: list[int] = []
         self._next_handle = 0
-        # Each plan sent and not answered: its items' handle -> request id. A handle freed by a later
-        # plan may name another request by the time the answer comes: it is read as it was sent.
-        self._sent: dict[int, dict[int, str]] = {}
-
-    def _reset(self, epoch: str) -> None:
-        self.epoch = epoch
-        self._handle_of.clear()
-        self._request_of.clear()
-        self._free_handles.clear()
-        self._next_handle = 0
-        self._sent.clear()
-
-    def forget(self, plan_id: int) -> None:
-        """A plan that will not be answered (its worker went down or it was given up)."""
-        self._sent.pop(plan_id, None)
+        self._sent: dict[int, dict[int, str]] = {}  # each plan not answered: its items' handle -> request id
 
     def encode(self, plan: BatchPlan) -> bytes:
         if plan.scheduler_epoch != self.epoch or plan.free_all:
-            self._reset(plan.scheduler_epoch)
+            self.epoch = plan.scheduler_epoch
+            self._handle_of.clear()
+            self._free_handles.clear()
+            self._next_handle = 0
+            self._sent.clear()
         # Registrations name requests this plan may free: their handles are read before the frees.
-        registered = [self._handle_of[request_id] for request_id, _, _ in plan.register_blocks]
+        registered = tuple(self._handle_of[request_id] for request_id, _, _ in plan.register_blocks)
         freed = []
         for request_id in plan.free_request_ids:
             handle = self._handle_of.pop(request_id, None)
             if handle is not None:
-                del self._request_of[handle]
                 self._free_handles.append(handle)
                 freed.append(handle)
-        new = []
+        new_handles = []
         for request in plan.new_requests:
             handle = self._handle_of.get(request.request_id)
             if handle is None:
@@ -134,85 +266,44 @@ class PlanCodec:
                         raise ValueError(f"more than {MAX_HANDLE + 1} requests on one worker")
                     handle, self._next_handle = self._next_handle, self._next_handle + 1
                 self._handle_of[request.request_id] = handle
-                self._request_of[handle] = request.request_id
-            entry = [handle, request.request_id, request.sampling.model_dump(mode="python"),
-                     b"".join(request.cached_blocks)]
-            if request.entries_below:
-                entry += [request.entries_below, request.first_output_index, _array(request.text_context, _I32)]
-            new.append(entry)
-        decode_handles, decode_outputs = [], []
-        handles, starts, counts, samples, outputs, tokens = [], [], [], [], [], []
-        sent = self._sent[plan.plan_id] = {}
-        handle_of = self._handle_of
-        for request_id, token_ids, start_position, sample, output_index, feeds_sampled in plan.items:
-            handle = handle_of[request_id]
-            sent[handle] = request_id
-            if feeds_sampled and sample:
-                decode_handles.append(handle)
-                decode_outputs.append(output_index)
-            else:
-                handles.append(handle)
-                starts.append(start_position)
-                counts.append(len(token_ids))
-                samples.append(sample)
-                outputs.append(output_index)
-                tokens.extend(token_ids)
-        message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
-                   "a": plan.free_all, "n": new, "x": _array(freed, _U16),
-                   "dh": _array(decode_handles, _U16), "do": _array(decode_outputs, _I32)}
-        if registered:
-            message |= {"rh": _array(registered, _U16), "ri": _array([index for _, index, _ in plan.register_blocks], _I32),
-                        "rk": b"".join(block_hash for _, _, block_hash in plan.register_blocks)}
-        if plan.evict_blocks:
-            message["ev"] = b"".join(plan.evict_blocks)
-        if handles:
-            message |= {"h": _array(handles, _U16), "s": _array(starts, _I32), "c": _array(counts, _I32),
-                        "m": _array(samples, np.uint8), "o": _array(outputs, _I32), "t": _array(tokens, _I32)}
-        return msgpack.packb(message, use_bin_type=True)
+            new_handles.append(handle)
+        decodes = [item for item in plan.items if item.feeds_sampled and item.sample]
+        others = [item for item in plan.items if not (item.feeds_sampled and item.sample)]
+        self._sent[plan.plan_id] = {self._handle_of[item.request_id]: item.request_id for item in plan.items}
+
+        return encode_plan(ColumnPlan(
+            scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=plan.worker_id,
+            free_all=plan.free_all, new_requests=plan.new_requests, new_handles=tuple(new_handles),
+            free_handles=tuple(freed), register_blocks=plan.register_blocks, register_handles=registered,
+            evict_blocks=plan.evict_blocks,
+            decode_handles=[self._handle_of[item.request_id] for item in decodes],
+            decode_outputs=[item.output_index for item in decodes],
+            handles=[self._handle_of[item.request_id] for item in others],
+            starts=[item.start_position for item in others], counts=[len(item.token_ids) for item in others],
+            samples=[item.sample for item in others], outputs=[item.output_index for item in others],
+            tokens=[token for item in others for token in item.token_ids]))
 
     def decode_result(self, raw: dict) -> PlanResult:
         """A worker's answer (as read_result gave it), its handles read back as the plan it answers
         named them (an answer to no plan of this codec's, an older epoch's say, comes back with no
         token and no error)."""
-        kind = "PlanResult"
-        handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
-        token_ids = _ints(raw, kind, "t", _I32)
-        output_indices = _ints(raw, kind, "o", _I32)
-        if not handles.size == token_ids.size == output_indices.size:
-            raise WireError(f"{kind}: {handles.size} handles, {token_ids.size} tokens, {output_indices.size} indexes")
-        logprobs = _logprobs(raw, kind, handles.size)
-        sent = self._sent.pop(_field(raw, kind, "p", int), {}) if raw.get("e") == self.epoch else {}
-        columns = zip(handles.tolist(), token_ids.tolist(), output_indices.tolist())
-        if logprobs:
-            tokens = []
-            for position, (handle, token_id, output_index) in enumerate(columns):
-                request_id = sent.get(handle)
-                if request_id is not None:
-                    logprob, top = logprobs.get(position, (None, ()))
-                    tokens.append(SampledToken(request_id, token_id, output_index, logprob, top))
-        else:  # (most results: a token and its index per request)
-            tokens = [from_fields(SampledToken, (request_id, token_id, output_index, None, ()))
-                      for handle, token_id, output_index in columns if (request_id := sent.get(handle)) is not None]
-        errors = []
-        for entry in _field(raw, kind, "x", list, []):
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
-                    and entry[1] in ERROR_CODES and isinstance(entry[2], str)):
-                raise WireError(f"{kind}: malformed error entry")
-            request_id = sent.get(entry[0])
+        columns = read_result_columns(raw)
+        sent = self._sent.pop(columns.plan_id, {}) if columns.scheduler_epoch == self.epoch else {}
+        tokens = []
+        for position, (handle, token_id, output_index) in enumerate(zip(
+                columns.handles, columns.token_ids, columns.output_indexes)):
+            request_id = sent.get(handle)
             if request_id is not None:
-                errors.append(ItemError(request_id=request_id, code=entry[1], message=entry[2][:1000]))
-        entries_written = _field(raw, kind, "ew", bool, False)
-        unwritten = frozenset(request_id for handle in _ints(raw, kind, "eu", _U16, 0, MAX_HANDLE + 1).tolist()
-                              if (request_id := sent.get(handle)) is not None)
-        step_seconds = _field(raw, kind, "s", (int, float))
-        if not 0 <= step_seconds < 1e9:
-            raise WireError(f"{kind}: step_seconds out of range")
+                logprob, top = columns.logprobs.get(position, (None, ()))
+                tokens.append(SampledToken(request_id, token_id, output_index, logprob, top))
+        errors = tuple(ItemError(request_id=sent[handle], code=code, message=message)
+                       for handle, code, message in columns.errors if handle in sent)
         return PlanResult(
-            scheduler_epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int),
-            worker_id=_field(raw, kind, "w", str), tokens=tuple(tokens), errors=tuple(errors),
-            kv_blocks_total=_field(raw, kind, "kt", int), kv_blocks_free=_field(raw, kind, "kf", int),
-            kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds),
-            entries_written=entries_written, unwritten=unwritten)
+            scheduler_epoch=columns.scheduler_epoch, plan_id=columns.plan_id, worker_id=columns.worker_id,
+            tokens=tuple(tokens), errors=errors, kv_blocks_total=columns.kv_blocks_total,
+            kv_blocks_free=columns.kv_blocks_free, kv_blocks_cached=columns.kv_blocks_cached,
+            step_seconds=columns.step_seconds, entries_written=columns.entries_written,
+            unwritten=frozenset(sent[handle] for handle in columns.unwritten if handle in sent))
 
 
 def read_result(data: bytes) -> tuple[str, dict]:

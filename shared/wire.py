@@ -22,6 +22,12 @@ def encode(message: BaseModel) -> bytes:
     return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
 
 
+def encode_flat(message: BaseModel) -> bytes:
+    """encode() of a model whose fields are all plain values (no nested model), without its dump
+    pass: a pydantic model's fields are its __dict__. (The iteration records: one per worker-iteration.)"""
+    return _PACKER.pack(message.__dict__)
+
+
 def decode(message_type: type[Message], data: bytes) -> Message:
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)

@@ -107,6 +107,7 @@ def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: i
                 continue
             plans.append(plan)
             collect(policy.on_result(worker.run(plan)), outputs, reasons)
+            assert policy.row_disagreements() == []
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -130,6 +131,7 @@ def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max
             depth_seen = max(depth_seen, len(queued[worker_id]))
             if queued[worker_id]:
                 collect(policy.on_result(worker.run(queued[worker_id].pop(0))), outputs, reasons)
+                assert policy.row_disagreements() == []
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")

@@ -515,7 +515,7 @@ async def test_a_live_worker_missing_from_the_workers_set_keeps_its_requests_unt
     policy = SchedulerPolicy("epoch", context_length=256, stop_token_ids=())
     link = RedisLink(redis_client, on_write_failed=lambda write, error: None)
     link.run_id = (await redis_client.info("server"))["run_id"]  # (a scheduler's pool loading notes it)
-    liveness = WorkerLiveness(link, policy, {}, stall_seconds=60)
+    liveness = WorkerLiveness(link, policy, stall_seconds=60)
     info = WorkerInfo(worker_id="w1", pid=os.getpid(), host="here", device="fake", kv_block_size=16,
                       kv_blocks_total=64, kv_blocks_free=64, running=0, started_at=1.0, heartbeat_at=time.time())
     await redis_client.set(keys.worker_heartbeat("w1"), encode(info), px=60_000)

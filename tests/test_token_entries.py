@@ -142,7 +142,7 @@ def run(tokenizer, workers_write: bool, abandon_at: int | None = None, out_of_st
             continue
         result = worker_runs(in_flight.popleft())
         outcomes = policy.on_result(result)
-        outputs.publish_tokens(outcomes, "w0", result.entries_written, result.unwritten)
+        outputs.publish_tokens(outcomes, "w0")
         outputs.publish_finished_without_token()
         policy.take_iteration_records()
         scheduler_writes()

@@ -16,7 +16,6 @@ from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, RedisRestarted, bounded, text_of
 from shared import keys
 from shared.messages import WorkerInfo
-from shared.plans import PlanCodec
 from shared.wire import WireError, decode
 
 log = logging.getLogger("iterserve.scheduler")
@@ -46,9 +45,8 @@ return {listed, ids, values, run_id}
 
 
 class WorkerLiveness:
-    def __init__(self, link: RedisLink, policy: SchedulerPolicy, codecs: dict[str, PlanCodec],
-                 stall_seconds: float) -> None:
-        self.link, self.policy, self.codecs = link, policy, codecs
+    def __init__(self, link: RedisLink, policy: SchedulerPolicy, stall_seconds: float) -> None:
+        self.link, self.policy = link, policy
         self.stall_seconds = stall_seconds
         self._started_at: dict[str, float] = {}
 
@@ -86,7 +84,6 @@ class WorkerLiveness:
             if started_at is not None and started_at != info.started_at:
                 log.warning("worker_restarted worker_id=%s", worker_id)
                 self.policy.worker_down(worker_id)
-                self.codecs.pop(worker_id, None)
             if worker_id not in self.policy.worker_ids:
                 self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size, info.pipeline_stages)
             self._started_at[worker_id] = info.started_at
@@ -95,7 +92,6 @@ class WorkerLiveness:
     def forget(self, worker_id: str) -> None:
         """A dead or departed worker: its requests wait again, its keys and per-worker state go."""
         self.policy.worker_down(worker_id)
-        self.codecs.pop(worker_id, None)
         self._started_at.pop(worker_id, None)
         self.link.queue("srem", self.link.keys.workers, worker_id)
         self.link.queue("delete", keys.plan_stream(worker_id))
@@ -106,8 +102,4 @@ class WorkerLiveness:
             worker = self.policy.worker(worker_id)
             if worker.in_flight and now - worker.in_flight[0].started_at > self.stall_seconds:
                 log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight[0].plan.plan_id)
-                codec = self.codecs.get(worker_id)
-                for flight in worker.in_flight:
-                    if codec is not None:
-                        codec.forget(flight.plan.plan_id)
                 self.policy.reset_worker(worker_id)

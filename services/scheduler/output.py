@@ -103,11 +103,10 @@ class RequestOutputs:
             self._marked_running.add(request_id)
             self.link.queue("hset", keys.request_key(request_id), "status", "running")
 
-    def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str, entries_written: bool = False,
-                       unwritten: frozenset[str] = frozenset()) -> None:
+    def publish_tokens(self, outcomes: list[TokenOutcome], worker_id: str) -> None:
         """A result's tokens, in order: each one's text and token entry (and its request's end).
-        Tokens whose entry the worker wrote (PlanResult.entries_written, except `unwritten`) need
-        nothing (the policy leaves most of them out already). The common case of the rest (nothing
+        Tokens whose entry the worker wrote (TokenOutcome.written) need nothing (the policy leaves
+        most of them out already). The common case of the rest (nothing
         held back, nothing ends, no stop string can end or begin in the piece, no log-probabilities)
         is inline here, the others in _publish; one call per result, not per token."""
         holding = self.holding
@@ -116,11 +115,11 @@ class RequestOutputs:
                 holding.hold(outcome.request.request_id, worker_id)
         outputs, queue_token, plain = self._outputs, self.link.queue_token, not holding.enabled
         for outcome in outcomes:
-            state, token_id, index, finish_reason, logprob, top_logprobs = outcome  # (no attribute reads)
+            state, token_id, index, finish_reason, logprob, top_logprobs, written = outcome  # (no attribute reads)
             request_id = state.request_id
             output = outputs[request_id]
             if state.workers_write:  # (its detokenizer here is not used: text comes from the tokens)
-                if not entries_written or request_id in unwritten:
+                if not written:
                     self._publish_from_tokens(outcome, output)
                 elif finish_reason is not None:
                     self._end_after_worker_entry(outcome)

@@ -36,26 +36,17 @@ No Redis, no asyncio, no tensors here: services/scheduler/service.py moves the m
 
 import bisect
 import logging
-import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Literal, NamedTuple
 
 from services.scheduler.prefix_cache import extend_chain, root_hash
 from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
-from shared.messages import (
-    BatchPlan,
-    FinishReason,
-    IterationRecord,
-    NewRequest,
-    PlanResult,
-    RequestRecord,
-    SamplingParams,
-    StepItem,
-    from_fields,
-)
+from shared.messages import FinishReason, IterationRecord, NewRequest, PlanResult, RequestRecord, SamplingParams
 from shared.finishing import finish_reason, length_limit
+from shared.plans import ColumnPlan, ResultColumns
 
 log = logging.getLogger("iterserve.scheduler")
 
@@ -76,6 +67,7 @@ class TokenOutcome(NamedTuple):
     finish_reason: FinishReason | None  # set when this token ends the request
     logprob: float | None = None  # when the request asked for logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    written: bool = False  # its worker wrote its token entry (PlanResult.entries_written, not unwritten)
 
     @property
     def request_id(self) -> str:
@@ -96,16 +88,57 @@ class _RecordDraft:
 
 @dataclass(eq=False)
 class _Batch:
-    """The iteration being built for one worker."""
+    """The iteration being built for one worker: its items as the plan's columns, in wire order
+    (decodes that feed the token a plan in flight samples; then the others), each with its request
+    and that request's placement for the plan in flight. The decodes are written in as they are
+    chosen; the requests stepped one at a time (prefill chunks, admissions) go through `chunks`
+    first and are written in last."""
 
     worker: WorkerState
     budget: int  # tokens left in max_batch_tokens
     chunks: dict[str, int] = field(default_factory=dict)  # request id -> tokens fed this step
     admitted: list[str] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)  # requests whose first step on the worker this is
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    # The decodes fed by the worker: request, row, output index, placement, start position.
+    fed_states: list[RequestState] = field(default_factory=list)
+    fed_handles: list[int] = field(default_factory=list)
+    fed_outputs: list[int] = field(default_factory=list)
+    fed_placements: list[int] = field(default_factory=list)
+    fed_starts: list[int] = field(default_factory=list)
+    # The other items: request, row, start position, token count, samples, output index, placement,
+    # and their tokens (flattened).
+    states: list[RequestState] = field(default_factory=list)
+    handles: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    placements: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
 
-
-_FCFS_KEY = operator.attrgetter("fcfs_key")
-_REQUEST_ID = operator.itemgetter(0)  # a SampledToken's
+    def drop(self, state: RequestState) -> None:
+        """A request leaves the batch being built (preempted to make room): its tokens go back."""
+        chunk = self.chunks.pop(state.request_id, None)
+        if chunk is not None:
+            self.budget += chunk
+        else:  # a decode written in already (older requests' prefill chunks make room after the decodes)
+            for states, columns in ((self.fed_states, (self.fed_handles, self.fed_outputs, self.fed_placements,
+                                                       self.fed_starts)),
+                                    (self.states, (self.handles, self.starts, self.counts, self.samples, self.outputs,
+                                                   self.placements, self.tokens))):
+                for index, held in enumerate(states):
+                    if held is state:  # (a decode: one token, one count each, so its token is at its index)
+                        for column in (states, *columns):
+                            del column[index]
+                        self.budget += 1
+                        self.decode_tokens -= 1
+                        break
+        if state.request_id in self.joined:
+            self.joined.remove(state.request_id)
+        if state.request_id in self.admitted:
+            self.admitted.remove(state.request_id)
 
 
 def status_for(reason: FinishReason) -> Literal["finished", "cancelled", "failed"]:
@@ -255,7 +288,7 @@ class SchedulerPolicy:
                 iteration=self._iterations,
                 worker_id=flight.plan.worker_id,
                 plan_id=flight.plan.plan_id,
-                request_ids=tuple(item.request_id for item in flight.plan.items),
+                request_ids=flight.plan.item_ids,
                 joined=flight.joined,
                 finished=tuple(draft.finished),
                 cancelled=tuple(draft.cancelled),
@@ -323,10 +356,10 @@ class SchedulerPolicy:
             self._requeue(worker, state)
         worker.known.clear()
         for flight in worker.in_flight:
-            for new in flight.plan.new_requests:
-                worker.to_free.setdefault(new.request_id)
-            for request_id in flight.plan.free_request_ids:
-                worker.to_free.setdefault(request_id)
+            plan = flight.plan
+            for request_id, row in zip(plan.free_request_ids + tuple(new.request_id for new in plan.new_requests),
+                                       plan.free_handles + plan.new_handles, strict=True):
+                worker.to_free.setdefault(request_id, row)
         worker.in_flight = []
         if self.prefix_caching:  # what the lost plans did to its cache is unknown: it starts over empty
             worker.clear_cache()
@@ -358,6 +391,12 @@ class SchedulerPolicy:
                             "cached": worker.cache.blocks_idle, "free": worker.kv_blocks_free}
                 for worker_id, worker in self._workers.items()}
 
+    def row_disagreements(self) -> list[str]:
+        """Where a worker's rows (RunningRows) and its running requests differ: none, or the
+        bookkeeping is broken (tests check after every result)."""
+        return [f"{worker_id}: {found}" for worker_id, worker in self._workers.items()
+                for found in worker.rows.disagreements(worker.running)]
+
     def worker(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
 
@@ -375,7 +414,7 @@ class SchedulerPolicy:
 
     # Iterations
 
-    def next_plan(self, worker_id: str) -> BatchPlan | None:
+    def next_plan(self, worker_id: str) -> ColumnPlan | None:
         """The worker's next iteration, or None while pipeline_depth plans are in flight or it has
         nothing to do."""
         worker = self._workers.get(worker_id)
@@ -386,7 +425,7 @@ class SchedulerPolicy:
         self._schedule_running(batch)
         if not worker.draining and (self.policy == "iteration" or forming):
             self._admit_waiting(batch)
-        if not batch.chunks and not worker.to_free:
+        if not batch.chunks and not batch.fed_states and not batch.states and not worker.to_free:
             return None  # (a pending free_all waits for the first plan with work)
         return self._emit_plan(batch)
 
@@ -395,9 +434,10 @@ class SchedulerPolicy:
         worker = self._workers.get(worker_id)
         return worker.in_flight[-1].joined if worker is not None and worker.in_flight else ()
 
-    def on_result(self, result: PlanResult) -> list[TokenOutcome]:
+    def on_result(self, result: ResultColumns | PlanResult) -> list[TokenOutcome]:
         """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided;
-        the tokens whose output is still to write (not those whose entry the worker wrote)."""
+        the tokens whose output is still to write (not those whose entry the worker wrote). A
+        PlanResult (request ids: tests and tools) is read as the columns the wire gives."""
         worker = self._workers.get(result.worker_id)
         flight = worker.in_flight[0] if worker is not None and worker.in_flight else None
         if (
@@ -409,6 +449,8 @@ class SchedulerPolicy:
             log.debug("stale_result worker_id=%s plan_id=%d epoch=%s",
                       result.worker_id, result.plan_id, result.scheduler_epoch)
             return []
+        if isinstance(result, PlanResult):
+            result = _result_columns(result, flight)
         worker.in_flight.pop(0)
         now = self._clock()
         flight.started_at = max(flight.started_at, worker.last_result_at)  # it ran after the plan before it
@@ -420,79 +462,138 @@ class SchedulerPolicy:
             draft.preempted.extend(left[1])
         self._drafts.append(draft)
         self._latest_draft[worker.worker_id] = draft
-        errors = {error.request_id: error for error in result.errors}
-        if self.prefix_caching and any(error.code in ("cache_mismatch", "out_of_memory") for error in result.errors):
-            # The worker dropped its cache (a mismatch) or requests it had blocks registered for (out
-            # of memory): its cache and this copy may differ. It starts over, empty; its requests are
-            # rebuilt, as they would be anyway (every item of such a plan is in error).
-            log.warning("worker_cache_reset worker_id=%s plan_id=%d", worker.worker_id, flight.plan.plan_id)
-            self.reset_worker(worker.worker_id)
-            return []
-        sampled = dict(zip(map(_REQUEST_ID, result.tokens), result.tokens))
-        outcomes: list[TokenOutcome] = []
-        running, prefix_caching = worker.running, self.prefix_caching
-        stop_token_ids, block_size = self.stop_token_ids, worker.kv_block_size
+        if result.errors:
+            if self.prefix_caching and any(code in ("cache_mismatch", "out_of_memory") for _, code, _ in result.errors):
+                # The worker dropped its cache (a mismatch) or requests it had blocks registered for (out
+                # of memory): its cache and this copy may differ. It starts over, empty; its requests are
+                # rebuilt, as they would be anyway (every item of such a plan is in error).
+                log.warning("worker_cache_reset worker_id=%s plan_id=%d", worker.worker_id, flight.plan.plan_id)
+                self.reset_worker(worker.worker_id)
+                return []
+            errors = {handle: (code, message) for handle, code, message in result.errors}
+        else:
+            errors = None
+        # Each item's token: in item order when the worker answered every item that samples (most
+        # results), else found by handle (an item without one is in error, or out of step).
+        samples, ends = flight.samples, flight.ends
+        sampled = flight.handles if samples is None else [handle for handle, sample in zip(flight.handles, samples)
+                                                           if sample]
+        handles, token_ids, output_indexes = result.handles, result.token_ids, result.output_indexes
+        if handles == sampled and samples is None:
+            answers = zip(token_ids, output_indexes, range(len(handles)))
+        else:
+            position_of = {handle: position for position, handle in enumerate(handles)}
+            answers = [(token_ids[position], output_indexes[position], position) if sample and (
+                position := position_of.get(handle)) is not None else None
+                for handle, sample in zip(flight.handles, samples or [True] * len(flight.handles))]
         # The worker wrote the token entries of the requests it writes for, all but these (None: none)
-        written_but = result.unwritten if result.entries_written else None
-        for (request_id, token_ids, start_position, sample, output_index, _), placement in zip(flight.plan.items,
-                                                                                               flight.placements):
-            state = running.get(request_id)
-            if state is None or state.placement != placement:
+        unwritten = set(result.unwritten) if result.entries_written else None
+        outcomes: list[TokenOutcome] = []
+        prefix_caching, block_size = self.prefix_caching, worker.kv_block_size
+        stop_token_ids, logprobs = self.stop_token_ids, result.logprobs
+        for index, (state, placement, output_index, answer, sample) in enumerate(zip(
+                flight.states, flight.placements, flight.output_indexes, answers, samples or repeat(True))):
+            if state.placement != placement:
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
             if sample:
                 state.in_flight_samples -= 1
-            if errors:
-                error = errors.get(request_id)
+            if errors is not None:
+                error = errors.get(state.row)
                 if error is not None:
-                    self._on_item_error(worker, state, error.code, error.message)
+                    self._on_item_error(worker, state, *error)
                     continue
             if prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
-                end = start_position + (len(token_ids) or 1)  # (a fed-back token: one)
+                end = state.prompt_length + output_index if sample else ends[index]  # (KV tokens after it)
                 if end // block_size > len(state.held_hashes):
                     self._register_blocks(worker, state, end)
             if not sample:
                 continue
-            token = sampled.get(request_id)
             output = state.output_token_ids
-            if token is None or token.output_index != output_index or output_index != len(output):
-                if token is not None and token.output_index == output_index < len(output):
+            if answer is None or answer[1] != output_index or output_index != len(output):
+                if answer is not None and answer[1] == output_index < len(output):
                     continue  # already have it
+                got = None if answer is None else answer[:2]
                 self._on_item_error(worker, state, "bad_item",
-                                    f"expected a token at output_index {output_index}, got {token}")
+                                    f"expected a token at output_index {output_index}, got (token, index) {got}")
                 continue
-            token_id = token.token_id
+            token_id = answer[0]
             output.append(token_id)
+            written = unwritten is not None and state.workers_write and state.row not in unwritten
             # (_finish_reason_after_output's first test, inline: most tokens end nothing)
             if token_id in stop_token_ids or len(output) >= state.output_limit:
                 reason = self._finish_reason_after_output(state)
                 if reason is not None:
                     self._end(state, reason)
-            elif written_but is not None and state.workers_write and request_id not in written_but:
+            elif written:
                 continue  # its worker wrote its token entry: nothing is left to do with the token
             else:
                 reason = None
-            outcomes.append(TokenOutcome(state, token_id, output_index, reason, token.logprob, token.top_logprobs))
+            logprob, top = logprobs.get(answer[2], (None, ())) if logprobs else (None, ())
+            outcomes.append(TokenOutcome(state, token_id, output_index, reason, logprob, top, written))
         return outcomes
 
     # Internals: building a plan
 
     def _schedule_running(self, batch: _Batch) -> None:
-        """Running requests step first: decodes (one token each), then prefill chunks, FCFS."""
+        """Running requests step first: decodes (one token each), then prefill chunks, FCFS. The
+        decodes, most of a step, are chosen and written into the plan in one pass over the worker's
+        requests; the others are stepped after them, one at a time (_schedule_states)."""
+        worker = batch.worker
+        order = worker.rows.order
+        if worker.stages > 1:  # pipeline stages' lanes: one at a time, decodes first
+            self._schedule_states(batch, [state for state in order if state.is_decoding] +
+                                  [state for state in order if not state.is_decoding])
+            return
+        block_size = worker.kv_block_size
+        others = []
+        fed_states, fed_handles, fed_outputs, fed_placements, fed_starts = (
+            batch.fed_states, batch.fed_handles, batch.fed_outputs, batch.fed_placements, batch.fed_starts)
+        budget = batch.budget  # (making room here changes no budget: the requests it preempts are younger)
+        for state in tuple(order):  # (a copy: making room for one may preempt the youngest)
+            if state.row < 0:
+                continue  # preempted to make room for an older one
+            in_flight = state.in_flight_samples
+            outputs = len(state.output_token_ids) + in_flight
+            computed = state.computed
+            if not outputs or computed != state.prompt_length + outputs - 1:  # (RequestState.is_decoding)
+                others.append(state)
+                continue
+            if in_flight and outputs >= state.output_limit:
+                continue  # its last token is being sampled (max_tokens or the context reached)
+            if budget <= 0:
+                break
+            # (Within the blocks it holds, as most decode steps are, it needs no room: tested here
+            # rather than in _make_room, a call per request per step.)
+            if computed >= state.kv_blocks * block_size and not self._make_room(batch, state, computed + 1):
+                continue
+            budget -= 1
+            state.in_flight_samples = in_flight + 1
+            state.computed = computed + 1
+            if not state.stepped_on_worker:
+                batch.joined.append(state.request_id)
+                state.stepped_on_worker = True
+            if in_flight:  # its input is the token a plan in flight samples: the worker has it
+                fed_states.append(state)
+                fed_handles.append(state.row)
+                fed_outputs.append(outputs)
+                fed_placements.append(state.placement)
+                fed_starts.append(computed)
+            else:  # its input is its last token, named
+                self._add_item(batch, state, computed, 1, True, outputs, state.output_token_ids[-1:])
+        batch.decode_tokens += batch.budget - budget
+        batch.budget = budget
+        if others:
+            self._schedule_states(batch, others)
+
+    def _schedule_states(self, batch: _Batch, states: list[RequestState]) -> None:
+        """These running requests' steps, one at a time in the order given, while the budget lasts."""
         worker = batch.worker
         running, chunks, staged = worker.running, batch.chunks, worker.stages > 1
-        # Decodes first (its next step feeds only the token its previous step samples), then the
-        # rest, FCFS within each: a stable split of the FCFS order, with no key function per request
-        # (RequestState.is_decoding, inline: a property call per request per step costs more).
-        by_arrival = sorted(running.values(), key=_FCFS_KEY)
-        order = [state for state in by_arrival if (state.output_token_ids or state.in_flight_samples) and state.computed
-                 == state.prompt_length + len(state.output_token_ids) + state.in_flight_samples - 1]
-        if len(order) < len(by_arrival):
-            order.extend(state for state in by_arrival if not state.is_decoding)
         # Pipeline stages: the requests whose token is not on its way, in lanes of about 1/stages
         # of the worker's requests, so each stage has a plan's worth while the others run theirs.
         lane = -(-len(running) // worker.stages) if staged else len(running)
         block_size = worker.kv_block_size
-        for state in order:
+        for state in states:
             if batch.budget <= 0 or len(chunks) >= lane:
                 break
             in_flight = state.in_flight_samples
@@ -504,12 +605,23 @@ class SchedulerPolicy:
             if in_flight and (staged or outputs >= state.output_limit):
                 continue
             chunk = min(pending, batch.budget)
-            # (Within the blocks it holds, as most decode steps are, it needs no room: tested here
-            # rather than in _make_room, a call per request per step.)
             if -(-(state.computed + chunk) // block_size) <= state.kv_blocks or self._make_room(
                     batch, state, state.computed + chunk):
                 chunks[state.request_id] = chunk
                 batch.budget -= chunk
+
+    @staticmethod
+    def _add_item(batch: _Batch, state: RequestState, start: int, count: int, sample: bool, output_index: int,
+                  tokens: Iterable[int]) -> None:
+        """An item that names its tokens (not fed by the worker) into the plan being built."""
+        batch.states.append(state)
+        batch.handles.append(state.row)
+        batch.starts.append(start)
+        batch.counts.append(count)
+        batch.samples.append(sample)
+        batch.outputs.append(output_index)
+        batch.placements.append(state.placement)
+        batch.tokens.extend(tokens)
 
     def _make_room(self, batch: _Batch, state: RequestState, tokens_after_step: int) -> bool:
         """Reserve KV blocks for a step (evicting idle cached ones if need be), preempting the
@@ -526,9 +638,7 @@ class SchedulerPolicy:
                 self._end(state, "length")
                 self._finished_without_token.append(state)
                 return False
-            batch.budget += batch.chunks.pop(victim.request_id, 0)
-            if victim.request_id in batch.admitted:
-                batch.admitted.remove(victim.request_id)
+            batch.drop(victim)
             self._preempt(worker, victim, "kv_full")
             if victim is state:
                 return False
@@ -663,6 +773,7 @@ class SchedulerPolicy:
         state.kv_blocks, state.stepped_on_worker = blocks, False
         worker.take_blocks(blocks - cached)
         worker.running[state.request_id] = state
+        worker.rows.add(state)
         batch.admitted.append(state.request_id)
         self._admissions += 1
         self._key_served_at[state.record.client_key] = self._admissions
@@ -673,10 +784,9 @@ class SchedulerPolicy:
         log.info("admitted request_id=%s worker_id=%s tokens=%d output_tokens=%d cached_tokens=%d",
                  state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids), cached_tokens)
 
-    def _emit_plan(self, batch: _Batch) -> BatchPlan:
+    def _emit_plan(self, batch: _Batch) -> ColumnPlan:
+        """The plan: the decodes written in already, then the requests stepped one at a time."""
         worker = batch.worker
-        items, joined, placements = [], [], []
-        prefill_tokens = decode_tokens = 0
         running = worker.running
         for request_id, chunk in batch.chunks.items():
             state = running[request_id]
@@ -685,45 +795,62 @@ class SchedulerPolicy:
             outputs = len(state.output_token_ids)
             in_flight = state.in_flight_samples
             if outputs + in_flight and start == state.prompt_length + outputs + in_flight - 1:  # (is_decoding)
-                decode_tokens += chunk
+                batch.decode_tokens += chunk
             else:
-                prefill_tokens += chunk
+                batch.prefill_tokens += chunk
             if not state.stepped_on_worker:
-                joined.append(request_id)
+                batch.joined.append(request_id)
                 state.stepped_on_worker = True
             if in_flight:  # its input is the token a plan in flight samples
                 if chunk != 1:  # the bookkeeping is broken: better to stop than plan on it
                     raise RuntimeError(f"{request_id}: {chunk} tokens pending behind a token sampled in flight")
-                items.append(from_fields(StepItem, (request_id, (), start, True, outputs + in_flight, True)))
+                batch.fed_states.append(state)
+                batch.fed_handles.append(state.row)
+                batch.fed_outputs.append(outputs + in_flight)
+                batch.fed_placements.append(state.placement)
+                batch.fed_starts.append(start)
                 state.in_flight_samples += 1
             else:
                 sample = end == state.prompt_length + outputs
-                items.append(StepItem(request_id, state.tokens(start, end), start, sample, outputs))
+                self._add_item(batch, state, start, chunk, sample, outputs, state.tokens(start, end))
                 state.in_flight_samples += sample
             state.computed = end
-            placements.append(state.placement)
-        new_requests = [
-            self._new_request(state) for request_id, state in running.items() if request_id not in worker.known
-        ] if not worker.known.issuperset(running) else []  # (one set operation in the common case)
-        worker.known.update(new.request_id for new in new_requests)
-        plan = BatchPlan(
+        new_states = [state for request_id, state in running.items() if request_id not in worker.known] \
+            if not worker.known.issuperset(running) else []  # (one set operation in the common case)
+        worker.known.update(state.request_id for state in new_states)
+        states = batch.fed_states + batch.states
+        plan = ColumnPlan(
             scheduler_epoch=self.epoch,
             plan_id=self._next_plan_id,
             worker_id=worker.worker_id,
-            new_requests=tuple(new_requests),
-            items=tuple(items),
-            free_request_ids=tuple(worker.to_free),
             free_all=worker.free_all,
-            register_blocks=tuple(worker.to_register),
+            new_requests=tuple([self._new_request(state) for state in new_states]),
+            new_handles=tuple([state.row for state in new_states]),
+            free_request_ids=tuple(worker.to_free),
+            free_handles=tuple(worker.to_free.values()),
+            register_blocks=tuple([(request_id, index, block_hash) for request_id, index, block_hash, _
+                                   in worker.to_register]),
+            register_handles=tuple([row for _, _, _, row in worker.to_register]),
             evict_blocks=tuple(worker.to_evict),
+            decode_handles=batch.fed_handles, decode_outputs=batch.fed_outputs, decode_starts=batch.fed_starts,
+            handles=batch.handles, starts=batch.starts, counts=batch.counts, samples=batch.samples,
+            outputs=batch.outputs, tokens=batch.tokens,
+            item_ids=tuple([state.request_id for state in states]),
         )
         self._next_plan_id += 1
         worker.to_free.clear()
         worker.to_register.clear()
         worker.to_evict.clear()
         worker.free_all = False
-        worker.in_flight.append(PlanInFlight(plan, self._clock(), tuple(joined), prefill_tokens, decode_tokens,
-                                             tuple(placements)))
+        flight = PlanInFlight(plan, self._clock(), tuple(batch.joined), batch.prefill_tokens, batch.decode_tokens,
+                              states=states, placements=batch.fed_placements + batch.placements,
+                              output_indexes=batch.fed_outputs + batch.outputs,
+                              handles=batch.fed_handles + batch.handles)
+        if not all(batch.samples):  # (prefill chunks short of a prompt's end: the plan says where their KV ends)
+            flight.samples = [True] * len(batch.fed_states) + batch.samples
+            flight.ends = [0] * len(batch.fed_states) + [start + count for start, count in zip(batch.starts,
+                                                                                              batch.counts)]
+        worker.in_flight.append(flight)
         return plan
 
     def workers_write_entries(self, sampling: SamplingParams) -> bool:
@@ -781,8 +908,9 @@ class SchedulerPolicy:
                 if block_hash is not None:
                     worker.cache.release(block_hash)
             worker.known.discard(state.request_id)
-            worker.to_free.setdefault(state.request_id)
-        state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples = None, 0, 0, 0
+            worker.to_free.setdefault(state.request_id, state.row)
+            worker.rows.release(state)
+        state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples, state.row = None, 0, 0, 0, -1
         state.held_hashes, state.adopted_blocks = [], 0
         state.placement += 1
 
@@ -798,7 +926,7 @@ class SchedulerPolicy:
             if worker.cache.add(block_hash):
                 state.held_hashes.append(block_hash)
                 worker.kv_blocks_reserved -= 1  # its own block is now the cache's, held by it
-                worker.to_register.append((state.request_id, index, block_hash))
+                worker.to_register.append((state.request_id, index, block_hash, state.row))
             else:
                 state.held_hashes.append(None)
 
@@ -810,9 +938,7 @@ class SchedulerPolicy:
     def _draft_with(self, state: RequestState) -> _RecordDraft | None:
         """The record of its worker's latest answered iteration, if the request was in that batch."""
         draft = self._latest_draft.get(state.worker_id) if state.worker_id else None
-        if draft is not None and any(item.request_id == state.request_id for item in draft.in_flight.plan.items):
-            return draft
-        return None
+        return draft if draft is not None and draft.in_flight.holds(state) else None
 
     def _note_left(self, state: RequestState, cancelled: bool) -> None:
         """Record a running request taken off its worker (cancelled or preempted) in the worker's
@@ -852,3 +978,21 @@ class SchedulerPolicy:
                 del self._waiting_keys[key]
             else:
                 self._waiting_keys[key] -= 1
+
+
+def _result_columns(result: PlanResult, flight: PlanInFlight) -> ResultColumns:
+    """A result by request id (tests and tools) as the wire's columns: each request named by the
+    handle the plan it answers gave it (a token or an error of a request not in the plan: none)."""
+    handle_of = dict(zip(flight.plan.item_ids, flight.handles))
+    tokens = [token for token in result.tokens if token.request_id in handle_of]
+    return ResultColumns(
+        scheduler_epoch=result.scheduler_epoch, plan_id=result.plan_id, worker_id=result.worker_id,
+        handles=[handle_of[token.request_id] for token in tokens], token_ids=[token.token_id for token in tokens],
+        output_indexes=[token.output_index for token in tokens],
+        logprobs={position: (token.logprob, token.top_logprobs) for position, token in enumerate(tokens)
+                  if token.logprob is not None},
+        errors=tuple((handle_of.get(error.request_id, -1), error.code, error.message) for error in result.errors),
+        kv_blocks_total=result.kv_blocks_total, kv_blocks_free=result.kv_blocks_free,
+        kv_blocks_cached=result.kv_blocks_cached, step_seconds=result.step_seconds,
+        entries_written=result.entries_written,
+        unwritten=[handle_of[request_id] for request_id in result.unwritten if request_id in handle_of])

@@ -17,6 +17,7 @@ No event stream comes back: the copy is exact by construction, and a worker that
 not fitting what it holds drops everything and says so (the scheduler then starts it over empty).
 """
 
+import functools
 import hashlib
 import struct
 from collections import OrderedDict
@@ -33,11 +34,16 @@ def extend_chain(chain: list[bytes], root: bytes, tokens: Callable[[int, int], S
                  blocks: int) -> None:
     """Grow `chain` (the hashes of a request's first full blocks) to `blocks` entries; tokens(start,
     end) gives its tokens, known up to blocks * block_size."""
+    pack = _block_packer(block_size)
     for index in range(len(chain), blocks):
         parent = chain[index - 1] if index else root
-        block = tokens(index * block_size, (index + 1) * block_size)
-        data = struct.pack(f"<{len(block)}i", *block)  # (int32 little-endian, as numpy's "<i4")
+        data = pack(*tokens(index * block_size, (index + 1) * block_size))
         chain.append(hashlib.blake2b(parent + data, digest_size=HASH_BYTES).digest())
+
+
+@functools.cache
+def _block_packer(block_size: int) -> Callable[..., bytes]:
+    return struct.Struct(f"<{block_size}i").pack  # (int32 little-endian, as numpy's "<i4")
 
 
 class WorkerPrefixCache:

@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.scheduler.prefix_cache import WorkerPrefixCache
-from shared.messages import BatchPlan, FinishReason, RequestRecord, SamplingParams
+from services.scheduler.running_rows import RunningRows
+from shared.messages import FinishReason, RequestRecord, SamplingParams
+from shared.plans import ColumnPlan
 
 Phase = Literal["waiting", "running", "finished", "cancelled", "failed"]
 
@@ -21,6 +23,7 @@ class RequestState:
     computed: int = 0
     in_flight_samples: int = 0  # tokens it samples in plans sent but not answered yet
     placement: int = 0  # bumped whenever it leaves a worker: tells its stale plan items apart
+    row: int = -1  # its row on that worker (RunningRows): its handle in that worker's plans
     kv_blocks: int = 0  # KV blocks reserved for it on that worker (its own and shared cached ones)
     # Prefix caching: the hashes of its full known blocks (a function of its tokens: kept when it
     # moves), and on its current worker the hash of each of its blocks registered in that worker's
@@ -91,14 +94,30 @@ class RequestState:
 
 @dataclass(eq=False)
 class PlanInFlight:
-    """A plan sent to a worker, kept until its result comes back."""
+    """A plan sent to a worker, kept until its result comes back: each of its items' request, as
+    columns in the plan's wire order (the decodes it feeds, then the others)."""
 
-    plan: BatchPlan
+    plan: ColumnPlan
     started_at: float  # when it was sent (its step starts when the plan before it is done)
     joined: tuple[str, ...]
     prefill_tokens: int
     decode_tokens: int
-    placements: tuple[int, ...] = ()  # each item's request's placement when sent (RequestState.placement)
+    states: list[RequestState]
+    placements: list[int]  # each one's placement when sent (RequestState.placement)
+    output_indexes: list[int]  # of the token each item samples (or would: the next output's)
+    handles: list[int]  # each one's row when sent
+    # Items that do not sample (prefill chunks short of a prompt's end): False here, with the tokens
+    # in the worker's KV after them in `ends`. None when every item samples (most plans): a sampling
+    # item's KV ends at its prompt plus its output index.
+    samples: list[bool] | None = None
+    ends: list[int] | None = None
+
+    def holds(self, state: RequestState) -> bool:
+        """The plan has an item of this request in its current place."""
+        for held, placement in zip(self.states, self.placements):
+            if held is state:
+                return placement == state.placement
+        return False
 
 
 @dataclass(eq=False)
@@ -109,11 +128,12 @@ class WorkerState:
     draining: bool = False  # takes no new requests
     free_all: bool = False  # its next plan tells it to drop all its KV first (set when it comes up)
     running: dict[str, RequestState] = field(default_factory=dict)  # in admission order
+    rows: RunningRows = field(default_factory=RunningRows)  # their rows (handles) and FCFS order
     known: set[str] = field(default_factory=set)  # got their NewRequest since they were last freed here
-    to_free: dict[str, None] = field(default_factory=dict)  # left this worker since its last plan
+    to_free: dict[str, int] = field(default_factory=dict)  # left this worker since its last plan: their rows
     kv_blocks_reserved: int = 0  # blocks its running requests hold as their own (not registered)
     cache: WorkerPrefixCache = field(default_factory=WorkerPrefixCache)
-    to_register: list[tuple[str, int, bytes]] = field(default_factory=list)  # (request, block index, hash)
+    to_register: list[tuple[str, int, bytes, int]] = field(default_factory=list)  # (request, block index, hash, row)
     to_evict: list[bytes] = field(default_factory=list)
     in_flight: list[PlanInFlight] = field(default_factory=list)  # oldest first; the worker runs them in order
     last_result_at: float = 0.0

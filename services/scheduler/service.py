@@ -52,13 +52,13 @@ from services.scheduler.redis_link import (
 )
 from shared import keys
 from shared.config import Settings
-from shared.messages import PlanResult, SchedulerInfo
+from shared.messages import SchedulerInfo
 from shared.model_file import load_metadata
-from shared.plans import PlanCodec, read_result
+from shared.plans import ResultColumns, encode_plan, read_result, read_result_columns
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.startup_heap import freeze_startup_heap
 from shared.tokenizer import Tokenizer
-from shared.wire import WireError, encode
+from shared.wire import WireError, encode, encode_flat
 
 log = logging.getLogger("iterserve.scheduler")
 
@@ -109,8 +109,7 @@ class SchedulerService:
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, self.holding,
                                       settings.request_ttl_seconds)
-        self.codecs: dict[str, PlanCodec] = {}  # each worker's request handles and plans in flight
-        self.liveness = WorkerLiveness(self.link, self.policy, self.codecs, settings.stall_seconds)
+        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds)
         self.loader = PoolLoader(self.link, self.policy, self.outputs, settings.request_ttl_seconds, self._cancel)
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._loaded = False
@@ -220,14 +219,13 @@ class SchedulerService:
         self.phase_cpu["plan"] += planned - started
         if plan is None:
             return False
-        codec = self.codecs.setdefault(worker_id, PlanCodec())
-        self.link.queue("xadd", keys.plan_stream(worker_id), {"m": codec.encode(plan)},
+        self.link.queue("xadd", keys.plan_stream(worker_id), {"m": encode_plan(plan)},
                         maxlen=PLAN_STREAM_MAXLEN, approximate=True)
         for request_id in self.policy.joined(worker_id):  # (the others have stepped before: marked then)
             self.outputs.mark_running(request_id)
         self.phase_cpu["encode"] += time.process_time() - planned
         log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
-                  len(plan.items), len(plan.new_requests), len(plan.free_request_ids))
+                  plan.item_count, len(plan.new_requests), len(plan.free_request_ids))
         return True
 
     # Postprocess: what the round trip read
@@ -253,10 +251,9 @@ class SchedulerService:
             started = time.process_time()
             try:
                 worker_id, raw = read_result(fields.get(b"m", b""))
-                codec = self.codecs.get(worker_id)
-                if codec is None:
+                if self.policy.worker(worker_id) is None:
                     continue  # a worker given up on (or never planned for): nothing of it is awaited
-                result = codec.decode_result(raw)
+                result = read_result_columns(raw)
             except WireError as error:
                 log.warning("malformed_result entry=%s error=%s", text_of(entry_id), error)
                 continue
@@ -273,13 +270,13 @@ class SchedulerService:
             return  # ended already, or not loaded yet: loading it reads its cancel flag
         self.outputs.cancelled(state)
 
-    def _apply_result(self, result: PlanResult) -> None:
+    def _apply_result(self, result: ResultColumns) -> None:
         started = time.process_time()
         outcomes = self.policy.on_result(result)
         applied = time.process_time()
         self.phase_cpu["apply"] += applied - started
         # (may end requests on stop strings: before the records)
-        self.outputs.publish_tokens(outcomes, result.worker_id, result.entries_written, result.unwritten)
+        self.outputs.publish_tokens(outcomes, result.worker_id)
         self.outputs.publish_finished_without_token()
         records = self.policy.take_iteration_records()
         self.phase_cpu["fanout"] += time.process_time() - applied
@@ -290,7 +287,7 @@ class SchedulerService:
         self.last_iteration_at = time.time()
         if self.settings.iteration_records:
             for record in records:
-                self.link.queue("xadd", self.link.keys.iterations, {"m": encode(record)},
+                self.link.queue("xadd", self.link.keys.iterations, {"m": encode_flat(record)},
                                 maxlen=self.settings.iteration_records, approximate=False)
 
     def _write_failed(self, write: Write, error: Exception) -> None:
