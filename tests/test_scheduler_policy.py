@@ -690,3 +690,26 @@ def test_cancel_and_preemption_with_two_plans_in_flight():
         assert [first_tokens[request_id]] + outputs[request_id] == expected_output(request_id, 10)
     assert reasons == {"old": "length", "young": "length"}
     assert policy.worker("w1").kv_blocks_reserved == 0 and "gone" not in worker.kv
+
+
+def test_a_row_taken_over_while_a_plan_naming_it_is_in_flight_gets_nothing_of_that_plan():
+    # A request's row is its handle in the worker's plans, and a cancelled request's row is free at
+    # once: the next request can take it while a plan that named the first is still on the worker.
+    policy = make_policy(pipeline_depth=2, max_batch_size=1)
+    policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+    prompts = {}
+    for index, request_id in enumerate(("first", "second")):
+        rec = record(request_id, prompt_len=4, arrival=index, max_tokens=5, first_token=500 + 10 * index)
+        policy.add_request(rec)
+        prompts[request_id] = rec.prompt_token_ids
+    worker = FakeWorker(prompts)
+    in_flight = policy.next_plan("w1")
+    row = policy.get("first").row
+    policy.cancel("first")
+    takeover = policy.next_plan("w1")
+    assert [item.request_id for item in takeover.items] == ["second"] and policy.get("second").row == row
+    assert policy.on_result(worker.run(in_flight)) == [], "the answer for the row's former holder applies to nobody"
+    assert policy.get("second").output_token_ids == []
+    outputs, reasons, _ = drive_pipelined(policy, {"w1": worker}, sent={"w1": [takeover]})
+    assert outputs["second"] == expected_output("second", 5) and reasons == {"second": "length"}
+    assert "first" not in outputs and policy.worker("w1").kv_blocks_reserved == 0

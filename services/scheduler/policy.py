@@ -89,10 +89,9 @@ class _RecordDraft:
 @dataclass(eq=False)
 class _Batch:
     """The iteration being built for one worker: its items as the plan's columns, in wire order
-    (decodes that feed the token a plan in flight samples; then the others), each with its request
-    and that request's placement for the plan in flight. The decodes are written in as they are
-    chosen; the requests stepped one at a time (prefill chunks, admissions) go through `chunks`
-    first and are written in last."""
+    (decodes that feed the token a plan in flight samples; then the others), each with its request.
+    The decodes are written in as they are chosen; the requests stepped one at a time (prefill
+    chunks, admissions) go through `chunks` first and are written in last."""
 
     worker: WorkerState
     budget: int  # tokens left in max_batch_tokens
@@ -101,21 +100,19 @@ class _Batch:
     joined: list[str] = field(default_factory=list)  # requests whose first step on the worker this is
     decode_tokens: int = 0
     prefill_tokens: int = 0
-    # The decodes fed by the worker: request, row, output index, placement, start position.
+    # The decodes fed by the worker: request, row, output index, start position.
     fed_states: list[RequestState] = field(default_factory=list)
     fed_handles: list[int] = field(default_factory=list)
     fed_outputs: list[int] = field(default_factory=list)
-    fed_placements: list[int] = field(default_factory=list)
     fed_starts: list[int] = field(default_factory=list)
-    # The other items: request, row, start position, token count, samples, output index, placement,
-    # and their tokens (flattened).
+    # The other items: request, row, start position, token count, samples, output index, and their
+    # tokens (flattened).
     states: list[RequestState] = field(default_factory=list)
     handles: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
-    placements: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
     def drop(self, state: RequestState) -> None:
@@ -124,10 +121,9 @@ class _Batch:
         if chunk is not None:
             self.budget += chunk
         else:  # a decode written in already (older requests' prefill chunks make room after the decodes)
-            for states, columns in ((self.fed_states, (self.fed_handles, self.fed_outputs, self.fed_placements,
-                                                       self.fed_starts)),
+            for states, columns in ((self.fed_states, (self.fed_handles, self.fed_outputs, self.fed_starts)),
                                     (self.states, (self.handles, self.starts, self.counts, self.samples, self.outputs,
-                                                   self.placements, self.tokens))):
+                                                   self.tokens))):
                 for index, held in enumerate(states):
                     if held is state:  # (a decode: one token, one count each, so its token is at its index)
                         for column in (states, *columns):
@@ -490,10 +486,10 @@ class SchedulerPolicy:
         unwritten = set(result.unwritten) if result.entries_written else None
         outcomes: list[TokenOutcome] = []
         prefix_caching, block_size = self.prefix_caching, worker.kv_block_size
-        stop_token_ids, logprobs = self.stop_token_ids, result.logprobs
-        for index, (state, placement, output_index, answer, sample) in enumerate(zip(
-                flight.states, flight.placements, flight.output_indexes, answers, samples or repeat(True))):
-            if state.placement != placement:
+        stop_token_ids, logprobs, left = self.stop_token_ids, result.logprobs, flight.left
+        for index, (state, output_index, answer, sample) in enumerate(zip(
+                flight.states, flight.output_indexes, answers, samples or repeat(True))):
+            if left and state in left:
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
             if sample:
                 state.in_flight_samples -= 1
@@ -546,8 +542,8 @@ class SchedulerPolicy:
             return
         block_size = worker.kv_block_size
         others = []
-        fed_states, fed_handles, fed_outputs, fed_placements, fed_starts = (
-            batch.fed_states, batch.fed_handles, batch.fed_outputs, batch.fed_placements, batch.fed_starts)
+        fed_states, fed_handles, fed_outputs, fed_starts = (batch.fed_states, batch.fed_handles, batch.fed_outputs,
+                                                            batch.fed_starts)
         budget = batch.budget  # (making room here changes no budget: the requests it preempts are younger)
         for state in tuple(order):  # (a copy: making room for one may preempt the youngest)
             if state.row < 0:
@@ -576,7 +572,6 @@ class SchedulerPolicy:
                 fed_states.append(state)
                 fed_handles.append(state.row)
                 fed_outputs.append(outputs)
-                fed_placements.append(state.placement)
                 fed_starts.append(computed)
             else:  # its input is its last token, named
                 self._add_item(batch, state, computed, 1, True, outputs, state.output_token_ids[-1:])
@@ -620,7 +615,6 @@ class SchedulerPolicy:
         batch.counts.append(count)
         batch.samples.append(sample)
         batch.outputs.append(output_index)
-        batch.placements.append(state.placement)
         batch.tokens.extend(tokens)
 
     def _make_room(self, batch: _Batch, state: RequestState, tokens_after_step: int) -> bool:
@@ -807,7 +801,6 @@ class SchedulerPolicy:
                 batch.fed_states.append(state)
                 batch.fed_handles.append(state.row)
                 batch.fed_outputs.append(outputs + in_flight)
-                batch.fed_placements.append(state.placement)
                 batch.fed_starts.append(start)
                 state.in_flight_samples += 1
             else:
@@ -843,8 +836,7 @@ class SchedulerPolicy:
         worker.to_evict.clear()
         worker.free_all = False
         flight = PlanInFlight(plan, self._clock(), tuple(batch.joined), batch.prefill_tokens, batch.decode_tokens,
-                              states=states, placements=batch.fed_placements + batch.placements,
-                              output_indexes=batch.fed_outputs + batch.outputs,
+                              states=states, output_indexes=batch.fed_outputs + batch.outputs,
                               handles=batch.fed_handles + batch.handles)
         if not all(batch.samples):  # (prefill chunks short of a prompt's end: the plan says where their KV ends)
             flight.samples = [True] * len(batch.fed_states) + batch.samples
@@ -910,9 +902,10 @@ class SchedulerPolicy:
             worker.known.discard(state.request_id)
             worker.to_free.setdefault(state.request_id, state.row)
             worker.rows.release(state)
+            for flight in worker.in_flight:  # (their answers apply nothing of it)
+                flight.left.add(state)
         state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples, state.row = None, 0, 0, 0, -1
         state.held_hashes, state.adopted_blocks = [], 0
-        state.placement += 1
 
     def _register_blocks(self, worker: WorkerState, state: RequestState, end: int) -> None:
         """A result confirmed the request's KV written up to token `end` (all known): its blocks

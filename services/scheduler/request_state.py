@@ -22,7 +22,6 @@ class RequestState:
     # are pipelined: the next one is planned while the one before runs).
     computed: int = 0
     in_flight_samples: int = 0  # tokens it samples in plans sent but not answered yet
-    placement: int = 0  # bumped whenever it leaves a worker: tells its stale plan items apart
     row: int = -1  # its row on that worker (RunningRows): its handle in that worker's plans
     kv_blocks: int = 0  # KV blocks reserved for it on that worker (its own and shared cached ones)
     # Prefix caching: the hashes of its full known blocks (a function of its tokens: kept when it
@@ -103,7 +102,6 @@ class PlanInFlight:
     prefill_tokens: int
     decode_tokens: int
     states: list[RequestState]
-    placements: list[int]  # each one's placement when sent (RequestState.placement)
     output_indexes: list[int]  # of the token each item samples (or would: the next output's)
     handles: list[int]  # each one's row when sent
     # Items that do not sample (prefill chunks short of a prompt's end): False here, with the tokens
@@ -111,13 +109,13 @@ class PlanInFlight:
     # item's KV ends at its prompt plus its output index.
     samples: list[bool] | None = None
     ends: list[int] | None = None
+    # Its requests that left the worker since it was sent (finished, cancelled, preempted, moved):
+    # nothing of their items is applied (a request back on the worker meanwhile is in later plans).
+    left: set[RequestState] = field(default_factory=set)
 
     def holds(self, state: RequestState) -> bool:
-        """The plan has an item of this request in its current place."""
-        for held, placement in zip(self.states, self.placements):
-            if held is state:
-                return placement == state.placement
-        return False
+        """The plan has an item of this request."""
+        return any(held is state for held in self.states)
 
 
 @dataclass(eq=False)

@@ -3,10 +3,11 @@
 A request admitted to a worker takes a row there and keeps it while it runs on that worker; the
 row is its handle in that worker's plans (shared/plans.py), so a plan names a request by a small
 integer the scheduler already holds (no map from ids to handles per item), and a result's tokens
-come back by row (`states[row]`). A released row is free for a request admitted from the next plan
-on, which frees it on the worker first (a plan's frees come before its new requests). An answer
-to a plan sent before a row changed hands is told apart by the request's `placement` (bumped
-whenever it leaves a worker), which the plan in flight noted.
+come back by row. A released row is free for a request admitted from the next plan on, which
+frees it on the worker first (a plan's frees come before its new requests). A plan in flight holds
+its items' requests themselves, not their rows, and notes those that leave the worker before it is
+answered (PlanInFlight.left): an answer to a plan sent before a row changed hands applies nothing
+to the row's new request.
 
 The running requests are also kept here in FCFS order (arrival time, then arrival order) as they
 come and go, so planning a step walks them in that order without sorting them at every step.
