@@ -434,6 +434,25 @@ async def test_stream_chat_with_the_openai_client_and_usage(gateway, scheduler):
     await client.close()
 
 
+async def test_a_stream_idle_long_enough_for_keep_alives_reads_in_the_openai_client(
+        gateway, redis_client, monkeypatch):
+    """An idle stream sends a keep-alive comment; the OpenAI Python client, which keeps the last
+    event id, makes an (empty, unparsable) event of a comment that ends in a blank line after an
+    event with an id: the comment must not end one."""
+    from openai import AsyncOpenAI
+
+    from services.gateway import generation
+
+    monkeypatch.setattr(generation, "KEEPALIVE_SECONDS", 0.01)
+    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="x", max_retries=0, timeout=WAIT_SECONDS)
+    async with running(FakeScheduler(redis_client, delay=1.2)):  # (a keep-alive between tokens: BLOCK_MS)
+        stream = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert "".join(chunk.choices[0].text for chunk in chunks) == " w0 w1 w2"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    await client.close()
+
+
 async def test_stream_completion_sse_format(gateway, scheduler):
     async with asyncio.timeout(WAIT_SECONDS):
         response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "stream": True})

@@ -7,7 +7,7 @@ import pytest
 from redis.exceptions import ConnectionError, ExecAbortError, ResponseError
 
 from shared.redis_connection import connect
-from shared.redis_exchange import Exchange
+from shared.redis_exchange import Exchange, xread_entries
 from tests.redis_server import RedisProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,6 +87,31 @@ async def test_replies_split_across_reads_and_a_connection_redis_closed(redis_ur
         assert await exchange.send([("ECHO", "again"), ("GET", "exchange:large")]) == [b"again", large]
     finally:
         await client.delete("exchange:large")
+        await client.aclose()
+
+
+async def test_replies_that_come_apart_are_all_awaited(redis_url):
+    """The scheduler's round trip: its writes are answered at once, its XREAD only when an entry
+    comes; the exchange returns once, with both, in order."""
+    client = connect(redis_url)
+    exchange = Exchange(client)
+    try:
+        await client.delete("exchange:stream", "exchange:written")
+
+        async def add_later():
+            await asyncio.sleep(0.2)
+            await client.xadd("exchange:stream", {"m": b"came"})
+
+        adding = asyncio.create_task(add_later())
+        replies = await exchange.send([("MULTI",), ("SET", "exchange:written", "1"), ("EXEC",),
+                                       ("XREAD", "BLOCK", 5000, "STREAMS", "exchange:stream", "$")])
+        await adding
+        assert replies[:2] == [b"OK", b"QUEUED"] and replies[2] == [b"OK"]
+        [(stream, [(_, fields)])] = xread_entries(replies[3])
+        assert stream == b"exchange:stream" and fields == {b"m": b"came"}
+        assert await exchange.send([("GET", "exchange:written")]) == [b"1"]
+    finally:
+        await client.delete("exchange:stream", "exchange:written")
         await client.aclose()
 
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest, GenerationParams
 
 DONE_EVENT = b"data: [DONE]\n\n"
-KEEPALIVE_EVENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it, a gone client fails the write
+# An SSE comment line: clients ignore it, a gone client fails the write. No blank line after it: the
+# OpenAI Python client keeps the last event id and dispatches an empty event at any blank line.
+KEEPALIVE_EVENT = b": keep-alive\n"
 
 
 @dataclass(frozen=True)
