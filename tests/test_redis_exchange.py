@@ -11,6 +11,7 @@ from shared.redis_exchange import Exchange, xread_entries
 from tests.redis_server import RedisProcess
 
 pytestmark = pytest.mark.timeout(60)
+BOTH_EVENT_LOOPS = True  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,7 @@ async def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and
     from services.scheduler.redis_link import READ_COUNT, TOKENS_SCRIPT, RedisLink
 
     client = connect(redis_url)
+    written = ("plans:w1", "tokens:r1", "iterations", "plain", "request:r1", "active", "heartbeat")
     try:
         link = RedisLink(client, on_write_failed=lambda write, error: None)
         link.queue("xadd", "plans:w1", {"m": b"plan"}, maxlen=1000, approximate=True)
@@ -153,4 +155,5 @@ async def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and
         assert [entry_id for entry_id, _ in await client.xrange("tokens:r1")] == [b"0-1"]
         assert await client.xlen("iterations") == 1 and await client.xlen("plain") == 1
     finally:
+        await client.delete(*written)
         await client.aclose()
