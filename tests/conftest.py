@@ -1,19 +1,8 @@
-import asyncio
 import os
 
 import pytest
 
 from tests.redis_server import private_redis
-
-
-def pytest_asyncio_loop_factories(config, item):
-    """A test module that sets BOTH_EVENT_LOOPS runs each async test on asyncio's own loop and on
-    uvloop's, which the scheduler and the workers run on (uvloop is a dependency: never skipped)."""
-    if not getattr(getattr(item, "module", None), "BOTH_EVENT_LOOPS", False):
-        return None
-    import uvloop
-
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

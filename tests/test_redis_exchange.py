@@ -11,7 +11,17 @@ from shared.redis_exchange import Exchange, xread_entries
 from tests.redis_server import RedisProcess
 
 pytestmark = pytest.mark.timeout(60)
-BOTH_EVENT_LOOPS = True  # (tests/conftest.py)
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run_on_loop(request):
+    """Each test on asyncio's own loop and on uvloop's, the scheduler's and the workers' (uvloop is
+    a dependency of the project: never skipped)."""
+    if request.param == "uvloop":
+        import uvloop
+
+        return uvloop.run
+    return asyncio.run
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +33,11 @@ def redis_url():
         server.close()
 
 
-async def test_replies_come_back_in_order_with_errors_in_their_place(redis_url):
+def test_replies_come_back_in_order_with_errors_in_their_place(redis_url, run_on_loop):
+    run_on_loop(_replies_come_back_in_order_with_errors_in_their_place(redis_url))
+
+
+async def _replies_come_back_in_order_with_errors_in_their_place(redis_url):
     client = connect(redis_url)
     exchange = Exchange(client)
     try:
@@ -45,7 +59,11 @@ async def test_replies_come_back_in_order_with_errors_in_their_place(redis_url):
         await client.aclose()
 
 
-async def test_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url):
+def test_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url, run_on_loop):
+    run_on_loop(_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url))
+
+
+async def _an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url):
     client = connect(redis_url)
     exchange = Exchange(client)
     try:
@@ -66,7 +84,11 @@ async def test_an_exchange_broken_off_leaves_no_reply_for_the_next_one(redis_url
         await client.aclose()
 
 
-async def test_replies_split_across_reads_and_a_connection_redis_closed(redis_url):
+def test_replies_split_across_reads_and_a_connection_redis_closed(redis_url, run_on_loop):
+    run_on_loop(_replies_split_across_reads_and_a_connection_redis_closed(redis_url))
+
+
+async def _replies_split_across_reads_and_a_connection_redis_closed(redis_url):
     """The exchange parses what each read of the socket brings: replies larger than one read and
     many in one read alike; a connection Redis closed raises on the exchange that finds it, and the
     next exchange connects again."""
@@ -91,7 +113,11 @@ async def test_replies_split_across_reads_and_a_connection_redis_closed(redis_ur
         await client.aclose()
 
 
-async def test_replies_that_come_apart_are_all_awaited(redis_url):
+def test_replies_that_come_apart_are_all_awaited(redis_url, run_on_loop):
+    run_on_loop(_replies_that_come_apart_are_all_awaited(redis_url))
+
+
+async def _replies_that_come_apart_are_all_awaited(redis_url):
     """The scheduler's round trip: its writes are answered at once, its XREAD only when an entry
     comes; the exchange returns once, with both, in order."""
     client = connect(redis_url)
@@ -116,7 +142,11 @@ async def test_replies_that_come_apart_are_all_awaited(redis_url):
         await client.aclose()
 
 
-async def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url):
+def test_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url, run_on_loop):
+    run_on_loop(_the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url))
+
+
+async def _the_scheduler_round_trip_builds_the_arguments_redis_py_builds_and_redis_runs_them(redis_url):
     """RedisLink.commands builds its own commands' arguments (MULTI/EXEC, the token EVAL, XADD,
     SET, XREAD) without redis-py: the same tuples as redis-py's pipeline gives, the rare others
     still by redis-py, in order; and a real Redis runs them."""

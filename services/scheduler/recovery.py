@@ -149,8 +149,10 @@ class PoolLoader:
         text = self.outputs.start(record, output_token_ids,
                                   emitted_text=sum(len(events[index].text) for index in range(len(output_token_ids))))
         state = self.policy.add_request(record, output_token_ids)
-        log.info("loaded request_id=%s prompt_tokens=%d output_tokens=%d", request_id,
-                 len(record.prompt_token_ids), len(output_token_ids))
+        # (a new request at debug level: its admission and its end are logged, at every step's rate of them;
+        # one rebuilt with output so far, after a restart, at info)
+        log.log(logging.INFO if output_token_ids else logging.DEBUG, "loaded request_id=%s prompt_tokens=%d "
+                "output_tokens=%d", request_id, len(record.prompt_token_ids), len(output_token_ids))
         if state.is_active and record.sampling.stop and find_stop(text, record.sampling.stop) != -1:
             self.policy.finish(request_id, "stop", without_token=True)  # output already holds a stop string
         if cancelled:
