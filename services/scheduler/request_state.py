@@ -12,7 +12,7 @@ from shared.plans import ColumnPlan
 Phase = Literal["waiting", "running", "finished", "cancelled", "failed"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     record: RequestRecord
     arrival_seq: int  # breaks ties between equal arrival times, so FCFS stays deterministic
