@@ -32,6 +32,8 @@ SERVICE_OPTIONS = {
     "--max-batch-size": ("max_batch_size", int, "requests per iteration per worker (default 64)"),
     "--max-batch-tokens": ("max_batch_tokens", int, "token budget per iteration per worker (default 512)"),
     "--pipeline-depth": ("pipeline_depth", int, "plans in flight per worker (default 2: the next is planned while one runs)"),
+    "--answer-every": ("answer_every", int, "plans a worker answers with one result write, sent together (default 1; "
+                                            "K > 1 needs --pipeline-depth 2K: fewer scheduler round trips, K-1 steps later)"),
     "--scheduler-token-entries": ("worker_token_entries", "off", "the scheduler writes every token entry (default: "
                                                               "workers write those of tokens that end nothing)"),
     "--no-prefix-caching": ("prefix_caching", "off", "recompute every prompt (default: finished requests' KV blocks "

@@ -7,7 +7,7 @@ the defaults here. The variable of a field is ITERSERVE_<FIELD> (REDIS_URL for r
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.model_file import DEFAULT_MODEL  # re-exported: the settings' default
 
@@ -37,7 +37,14 @@ class Settings(BaseModel):
     max_batch_size: int = Field(64, ge=1)
     max_batch_tokens: int = Field(512, ge=1)  # token budget of one iteration (prefill chunks)
     # Plans in flight per worker: 2 plans iteration k+1 while k runs (Orca's pipelining); 1 waits.
-    pipeline_depth: int = Field(2, ge=1, le=4)
+    pipeline_depth: int = Field(2, ge=1, le=8)
+    # Plans a worker answers with one result write (and the scheduler reads with one round trip):
+    # the scheduler sends them together and the worker holds the first results for the last one's.
+    # 1 (the default): every plan is answered as it ends. K > 1 takes the scheduler's Redis round
+    # trips per worker-iteration to 1/K for fleets of few workers, for a token latency up to K - 1
+    # steps longer and a new request joining up to K steps later; it needs pipeline_depth >= 2K (a
+    # group runs while the next is planned). Workers of several pipeline stages answer each plan.
+    answer_every: int = Field(1, ge=1, le=4)
     # Workers write the token entries of tokens that end nothing, of requests without stop strings or
     # logprobs under the iteration policy (docs/protocol.md); False: the scheduler writes them all.
     worker_token_entries: bool = True
@@ -112,6 +119,14 @@ class Settings(BaseModel):
     max_stop_strings: int = Field(4, ge=0)
     max_stop_length: int = Field(256, ge=1)  # characters of one stop string
     log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _depth_holds_two_groups(self) -> "Settings":
+        if self.pipeline_depth < 2 * self.answer_every and self.answer_every > 1:
+            raise ValueError(f"answer_every {self.answer_every} needs pipeline_depth at least "
+                             f"{2 * self.answer_every} (a group of plans runs while the next is planned), "
+                             f"not {self.pipeline_depth}")
+        return self
 
     @property
     def group_size(self) -> int:

@@ -136,6 +136,8 @@ class ColumnPlan:
     outputs: Sequence[int] = ()
     tokens: Sequence[int] = ()
     item_ids: tuple[str, ...] = ()  # each item's request id: the decodes, then the others
+    # The worker holds this plan's result and writes it with the next plan's (Settings.answer_every).
+    answer_with_next: bool = False
 
     @property
     def item_count(self) -> int:
@@ -171,6 +173,8 @@ def encode_plan(plan: ColumnPlan) -> bytes:
                     "rk": b"".join(block_hash for _, _, block_hash in plan.register_blocks)}
     if plan.evict_blocks:
         message["ev"] = b"".join(plan.evict_blocks)
+    if plan.answer_with_next:
+        message["g"] = True
     if len(plan.handles):
         message |= {"h": _array(plan.handles, _U16), "s": _array(plan.starts, _I32), "c": _array(plan.counts, _I32),
                     "m": _array(plan.samples, np.uint8), "o": _array(plan.outputs, _I32),
@@ -240,7 +244,7 @@ class PlanCodec:
         self._next_handle = 0
         self._sent: dict[int, dict[int, str]] = {}  # each plan not answered: its items' handle -> request id
 
-    def encode(self, plan: BatchPlan) -> bytes:
+    def encode(self, plan: BatchPlan, answer_with_next: bool = False) -> bytes:
         if plan.scheduler_epoch != self.epoch or plan.free_all:
             self.epoch = plan.scheduler_epoch
             self._handle_of.clear()
@@ -281,7 +285,7 @@ class PlanCodec:
             handles=[self._handle_of[item.request_id] for item in others],
             starts=[item.start_position for item in others], counts=[len(item.token_ids) for item in others],
             samples=[item.sample for item in others], outputs=[item.output_index for item in others],
-            tokens=[token for item in others for token in item.token_ids]))
+            tokens=[token for item in others for token in item.token_ids], answer_with_next=answer_with_next))
 
     def decode_result(self, raw: dict) -> PlanResult:
         """A worker's answer (as read_result gave it), its handles read back as the plan it answers
@@ -348,6 +352,7 @@ class DecodedPlan:
     plan: BatchPlan
     item_handles: list[int]
     unknown: list[tuple[int, str]]  # (handle, message) of items naming a handle this worker does not hold
+    answer_with_next: bool = False  # its result may wait for the next plan's, to go out with it
 
 
 class PlanReader:
@@ -449,7 +454,7 @@ class PlanReader:
         plan = BatchPlan(scheduler_epoch=epoch, plan_id=plan_id, worker_id=_field(raw, kind, "w", str),
                          new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all,
                          register_blocks=tuple(registered), evict_blocks=_hashes(raw.get("ev", b""), kind, "ev"))
-        return DecodedPlan(plan, item_handles, unknown)
+        return DecodedPlan(plan, item_handles, unknown, _field(raw, kind, "g", bool, False))
 
     def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
                       errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,

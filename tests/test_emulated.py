@@ -316,3 +316,71 @@ async def test_a_worker_runs_the_plans_read_ahead_back_to_back_and_answers_them_
             for answer in answers] == [[("r1", index, emulated_token(seed, index, engine.vocab_size))]
                                        for index in range(steps)]
     assert len(hops) < steps / 2, f"the step thread went back to the loop after most plans: {hops}"
+
+
+@pytest.mark.timeout(60)
+async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits_for_a_plan_not_there(
+        redis_client, redis_url):
+    """Settings.answer_every: a plan that says "answer with the next" has its result held while the
+    next plan is there to run, and written with that one's (the results in plan order, with their
+    token entries first); one whose next plan has not come is answered at once, alone."""
+    import asyncio
+
+    from services.worker.service import Worker
+    from shared import keys
+    from shared.config import Settings
+    from shared.messages import BatchPlan, NewRequest
+    from shared.plans import PlanCodec, read_result
+
+    settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
+                        drain_seconds=0.5)
+    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 8, 49152, 2048, sleep=lambda seconds: None)
+    worker = Worker(settings, engine, "w-together")
+    published = []
+    publish = worker._publish
+    worker._publish = lambda answers, *args, **kwargs: (published.append([a.plan.plan_id for a in answers]),
+                                                        publish(answers, *args, **kwargs))[1]
+    request_id = "0" * 31 + "1"
+    run_id = (await redis_client.info("server"))["run_id"]
+    await redis_client.set(worker.keys.incarnation, f"e1 {run_id}")  # the pool loaded under e1: entries land
+    await redis_client.hset(keys.request_key(request_id), "status", "running")
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    codec, stream, prompt, seed, steps = PlanCodec(), keys.plan_stream("w-together"), (5, 6, 7), 11, 9
+    plans = [BatchPlan(scheduler_epoch="e1", plan_id=1, worker_id="w-together", new_requests=(
+        NewRequest(request_id=request_id, sampling=SamplingParams(max_tokens=steps, seed=seed), entries_below=steps,
+                   text_context=prompt),), items=(StepItem(request_id, prompt, 0, True, 0),))]
+    plans += [BatchPlan(scheduler_epoch="e1", plan_id=index + 1, worker_id="w-together",
+                        items=(StepItem(request_id, (), len(prompt) + index - 1, True, index, True),))
+              for index in range(1, steps)]
+
+    answers = []
+
+    async def answers_until(count: int) -> None:
+        async with asyncio.timeout(20):
+            while len(answers) < count:
+                results = await redis_client.xrange(worker.keys.results)
+                answers.extend(codec.decode_result(read_result(fields[b"m"])[1]) for _, fields in results[len(answers):])
+                await asyncio.sleep(0.05)
+
+    try:
+        await asyncio.sleep(0.3)  # the worker is reading its plan stream
+        async with redis_client.pipeline(transaction=True) as pipe:  # (read in one XREAD: all there to run)
+            for plan in plans[:8]:
+                pipe.xadd(stream, {"m": codec.encode(plan, answer_with_next=plan.plan_id % 2 == 1)})
+            await pipe.execute()
+        await answers_until(8)
+        # The last plan of a group whose next plan is not there (the scheduler sent one): at once
+        await redis_client.xadd(stream, {"m": codec.encode(plans[8], answer_with_next=True)})
+        await answers_until(9)
+        entries = await redis_client.xrange(keys.token_stream(request_id))
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+        await redis_client.delete(keys.request_key(request_id), keys.token_stream(request_id))
+    assert published == [[1, 2], [3, 4], [5, 6], [7, 8], [9]]
+    assert [answer.plan_id for answer in answers] == list(range(1, steps + 1))
+    assert [[(token.output_index, token.token_id) for token in answer.tokens] for answer in answers] == \
+        [[(index, emulated_token(seed, index, engine.vocab_size))] for index in range(steps)]
+    # every token's entry but the last (the scheduler's: it ends the request), in order
+    assert [entry_id for entry_id, _ in entries] == [f"0-{index + 1}".encode() for index in range(steps - 1)]

@@ -463,6 +463,36 @@ def test_a_planning_worker_does_not_take_every_waiting_request_from_a_busy_less_
     assert sorted(taken + joined) == sorted(f"r{index}" for index in range(11)), (taken, joined)
 
 
+def test_a_worker_answering_plans_in_pairs_takes_plans_only_where_a_whole_pair_fits():
+    """answer_every 2 with 4 plans in flight: a worker is idle with room for a pair (it answers two
+    plans with one write, so a single free place would wait for the pair's other half); a worker of
+    pipeline stages answers each plan and takes them one by one."""
+    policy = make_policy(pipeline_depth=4, answer_every=2)
+    policy.worker_up("w1", kv_blocks_total=200, kv_block_size=4)
+    policy.worker_up("staged", kv_blocks_total=200, kv_block_size=4, stages=4)
+    assert (policy.group("w1"), policy.group("staged")) == (2, 1)
+    for index in range(4):
+        policy.add_request(record(f"r{index}", arrival=index))
+    plans = [policy.next_plan("w1") for _ in range(3)]
+    assert all(plans) and "w1" not in policy.idle_workers(), "3 in flight: no room for a pair"
+    policy.on_result(answer(plans[0]))
+    assert "w1" in policy.idle_workers(), "2 in flight: room for a pair"
+    for _ in range(3):
+        policy.next_plan("staged")
+    assert "staged" in policy.idle_workers(), "3 of 4 in flight: room for one plan"
+
+
+def test_answering_in_groups_needs_room_for_two_groups_in_flight():
+    """A group runs while the next is planned: answer_every K takes pipeline_depth of 2K at least."""
+    from pydantic import ValidationError
+
+    from shared.config import Settings
+
+    with pytest.raises(ValidationError, match="answer_every 2 needs pipeline_depth at least 4"):
+        Settings(answer_every=2, pipeline_depth=3)
+    assert Settings(answer_every=2, pipeline_depth=4).answer_every == 2
+
+
 def test_draining_worker_gets_no_new_requests():
     policy = make_policy()
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)

@@ -72,6 +72,8 @@ class FakeWorker:
         self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
         self.errors: list[str] = []
         self.plans: list[BatchPlan] = []
+        self.answer_with_next: list[bool] = []  # each plan's flag (Settings.answer_every)
+        self.answers_written: list[list[int]] = []  # the plan ids of each result write
         self.reader = PlanReader()  # the handles the scheduler gives this worker's requests
         # The real worker's token entries (services/worker/token_writer.py), when asked: written with
         # each result, as the worker writes them
@@ -125,10 +127,11 @@ class FakeWorker:
 
     async def _serve(self) -> None:
         last_id = "0-0"
+        held: list[tuple[int, bytes, list]] = []  # results held for the next plan's (plan id, payload, writes)
         while not self.stop.is_set():
             reply = await self.redis.xread({keys.plan_stream(self.worker_id): last_id}, count=10, block=50)
             for _, entries in reply or ():
-                for entry_id, fields in entries:
+                for position, (entry_id, fields) in enumerate(entries):
                     last_id = entry_id
                     decoded = self.reader.decode(fields[b"m"], lambda request_id: len(self.kv.get(request_id, ())),
                                                  self.worker_id)
@@ -136,6 +139,7 @@ class FakeWorker:
                         continue
                     plan = decoded.plan
                     self.plans.append(plan)
+                    self.answer_with_next.append(decoded.answer_with_next)
                     result = self._run(plan)
                     for handle, message in decoded.unknown:
                         self.errors.append(f"plan {plan.plan_id}: handle {handle}: {message}")
@@ -146,15 +150,24 @@ class FakeWorker:
                         [(error.request_id, error.code, error.message) for error in result.errors],
                         result.kv_blocks_total, result.kv_blocks_free, result.step_seconds, unwritten=unwritten)
                     await asyncio.sleep(self.step_seconds)
-                    entries = self.token_writer.entries(writes) if writes else b""
+                    held.append((plan.plan_id, payload, writes))
+                    if decoded.answer_with_next and position + 1 < len(entries):
+                        continue  # as the real worker: held while the next plan (read with it) runs
+                    payloads = [payload for _, payload, _ in held]
+                    writes = [write for _, _, plan_writes in held for write in plan_writes]
+                    self.answers_written.append([plan_id for plan_id, _, _ in held])
+                    held = []
+                    entries_arg = self.token_writer.entries(writes) if writes else b""
                     while True:  # as the real worker: a Redis that refuses writes for a while is waited out
                         try:
                             if writes:
                                 reply = await self.redis.eval(WRITE_SCRIPT, 2, keys.RESULTS_STREAM, keys.INCARNATION,
-                                                              entries, payload, 1000, plan.scheduler_epoch)
+                                                              entries_arg, payloads[0], 1000, plan.scheduler_epoch,
+                                                              *payloads[1:])
                                 self.entries_written += len(writes) if reply != STALE else 0
                             else:
-                                await self.redis.xadd(keys.RESULTS_STREAM, {"m": payload})
+                                for payload in payloads:
+                                    await self.redis.xadd(keys.RESULTS_STREAM, {"m": payload})
                             break
                         except OutOfMemoryError:
                             await asyncio.sleep(0.05)
@@ -284,8 +297,11 @@ def check_stream(request_id: str, events: list[TokenEvent], seed: int, prompt_le
     assert [event.token_id for event in events] == [fake_token(seed, index) for index in range(completion_tokens)]
 
 
+@pytest.mark.parametrize("answer_every", [1, 2], ids=["answered-each", "answered-in-pairs"])
 @pytest.mark.parametrize("writes_entries", [False, True], ids=["scheduler-entries", "worker-entries"])
-async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings, writes_entries):
+async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings, writes_entries, answer_every):
+    if answer_every > 1:  # plans sent in pairs, the first answered with the second (Settings.answer_every)
+        settings = Settings(**(settings.model_dump() | {"answer_every": answer_every, "pipeline_depth": 2 * answer_every}))
     prompts = {"cmpl-len": (1, 2, 3), "cmpl-eos": (4, 5), "cmpl-stopstr": (6, 7, 8, 9),
                "cmpl-long": tuple(range(300, 400))}
     async with FakeWorker(settings.redis_url, "w1", prompts, writes_entries=writes_entries) as worker, \
@@ -324,6 +340,11 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
         assert any(item.feeds_sampled for plan in worker.plans for item in plan.items), "plans were pipelined"
         assert worker.errors == []
+        if answer_every == 1:
+            assert not any(worker.answer_with_next) and {len(ids) for ids in worker.answers_written} == {1}
+        else:  # in pairs (one alone where the second of a pair had nothing to run)
+            assert sum(len(ids) == 2 for ids in worker.answers_written) > len(worker.answers_written) / 2
+            assert {len(ids) for ids in worker.answers_written} <= {1, 2}
         # the worker's: cmpl-len's 4 first, cmpl-eos's 3 first (not the stop token), cmpl-long's 3 first
         assert worker.entries_written == (10 if writes_entries else 0)
 

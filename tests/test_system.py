@@ -255,6 +255,32 @@ def test_request_level_policy_makes_new_requests_wait_for_the_whole_batch(redis_
     assert all(set(r.joined) <= set(with_long[0].request_ids) for r in with_long)
 
 
+def test_plans_answered_in_pairs_give_every_request_what_the_engine_alone_gives(engine_alone, tokenizer):
+    """`--answer-every 2`: the worker answers plans two at a time (docs/protocol.md); requests of
+    different lengths, joining and leaving a batch whose plans go out and come back in pairs, still
+    get exactly what each gets alone, streamed or not."""
+    prompts = ["The capital of France is", "Write a haiku about autumn leaves:", "1, 2, 3, 4,"]
+    lengths = [7, 19, 12]
+    with System("--answer-every", "2", "--pipeline-depth", "4", workers=1) as system:
+        client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def complete(prompt: str, max_tokens: int) -> str:
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts) + 1) as pool:
+            answers = [pool.submit(complete, prompt, length) for prompt, length in zip(prompts, lengths)]
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model=MODEL, prompt=prompts[0], max_tokens=9, temperature=0, stream=True) if chunk.choices)
+            texts = [answer.result(timeout=300) for answer in answers]
+        with urllib.request.urlopen(f"{system.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+    for prompt, length, text in zip(prompts, lengths, texts):
+        assert text == engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), length)[0], prompt
+    assert streamed == engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompts[0]), 9)[0]
+    assert status["scheduler"]["iterations"] > 0
+
+
 def test_sigterm_stops_the_whole_system_and_leaves_no_process_behind():
     system = System(workers=2).__enter__()
     children = system.descendants()

@@ -287,3 +287,15 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
     assert await write(entries, 4) != [STALE]
     assert len(await redis_client.xrange(keys.RESULTS_STREAM)) == 3
     assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 3
+
+    # Plans answered together (Settings.answer_every): every entry first, then the results in plan
+    # order, the failed entries' requests named with the last
+    items = [StepItem(request_id, (), 14, True, 4, True) for request_id in names.values()]
+    writes, _ = writer.after_step(_plan("e", 5, (), items), {request_id: text[6] for request_id in names.values()})
+    await redis_client.eval(WRITE_SCRIPT, 2, keys.RESULTS_STREAM, keys.INCARNATION, writer.entries(writes),
+                            "result 5", 1000, "e", "result 6", "result 7")
+    results = [fields for _, fields in await redis_client.xrange(keys.RESULTS_STREAM)][3:]
+    assert [fields[b"m"] for fields in results] == [b"result 5", b"result 6", b"result 7"]
+    assert msgpack.unpackb(results[2][b"f"], raw=False) == [names["broken"]]
+    assert not any(b"f" in fields for fields in results[:2])
+    assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 4

@@ -67,6 +67,7 @@ class Sizes:
     output_tokens: int = 256
     max_batch_size: int = 64
     pipeline_depth: int = 2  # plans in flight per worker (the system's default)
+    answer_every: int = 1  # plans a worker answers with one result write (the system's default)
     scheduler_token_entries: bool = False  # the scheduler writes every token entry (not the system's default)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
@@ -190,6 +191,7 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
                          extra_args=("--executor", "emulated", "--hardware", profile,
                                      "--max-batch-size", str(sizes.max_batch_size),
                                      "--pipeline-depth", str(sizes.pipeline_depth),
+                                     "--answer-every", str(sizes.answer_every),
                                      *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else [])),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
 
@@ -272,7 +274,8 @@ def markdown(report: dict) -> str:
         "takes the time the profile's roofline gives (no model runs). The pool holds "
         f"{report['sizes']['requests_per_worker']} active requests per worker ({report['sizes']['prompt_tokens']}-token "
         f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}, "
-        f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`); "
+        f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`), "
+        f"answered {report['sizes'].get('answer_every', 1)} at a time (`--answer-every`); "
         + ("the scheduler writes every token entry (`--scheduler-token-entries`); "
            if report["sizes"].get("scheduler_token_entries")
            else "the workers write the token entries of plain tokens; ")
@@ -355,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fleets", help="comma-separated worker counts (default 1,2,4,8,16)")
     parser.add_argument("--seconds", type=float, help="measured window per configuration")
     parser.add_argument("--pipeline-depth", type=int, help="plans in flight per worker (default 2, the system's)")
+    parser.add_argument("--answer-every", type=int,
+                        help="plans a worker answers with one result write (default 1, the system's; K > 1 "
+                             "needs --pipeline-depth 2K)")
     parser.add_argument("--scheduler-token-entries", action="store_true",
                         help="the scheduler writes every token entry (default: the workers write most)")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
@@ -371,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["seconds"] = args.seconds
     if args.pipeline_depth:
         overrides["pipeline_depth"] = args.pipeline_depth
+    if args.answer_every:
+        overrides["answer_every"] = args.answer_every
     if args.scheduler_token_entries:
         overrides["scheduler_token_entries"] = True
     if overrides:

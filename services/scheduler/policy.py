@@ -152,6 +152,7 @@ class SchedulerPolicy:
         max_batch_size: int = 64,
         max_batch_tokens: int = 512,
         pipeline_depth: int = 1,
+        answer_every: int = 1,
         prefix_caching: bool = False,
         placement: Placement = "least-loaded",
         placement_slack: int = 8,
@@ -181,6 +182,9 @@ class SchedulerPolicy:
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be at least 1")
         self.pipeline_depth = pipeline_depth
+        if answer_every < 1:
+            raise ValueError("answer_every must be at least 1")
+        self.answer_every = answer_every
         self.context_length = context_length
         self.stop_token_ids = frozenset(stop_token_ids)
         self._text_context = text_context if policy == "iteration" else None
@@ -321,6 +325,12 @@ class SchedulerPolicy:
         """Plans a worker may have in flight: pipeline_depth, and at least one per pipeline stage."""
         return max(self.pipeline_depth, worker.stages)
 
+    def group(self, worker_id: str) -> int:
+        """Plans sent to the worker together and answered together (answer_every; one for a worker
+        of several pipeline stages, which answers each plan as its tokens come back)."""
+        worker = self._workers.get(worker_id)
+        return 1 if worker is None or worker.stages > 1 else self.answer_every
+
     def worker_down(self, worker_id: str) -> list[str]:
         """Forget a worker; its requests wait again (FCFS place kept), to be rebuilt elsewhere."""
         worker = self._workers.pop(worker_id, None)
@@ -401,10 +411,12 @@ class SchedulerPolicy:
         return tuple(self._workers)
 
     def idle_workers(self) -> list[str]:
-        """Workers that can take another plan (fewer than pipeline_depth in flight): the fewest in
-        flight first, then the most free KV (it gets the oldest waiting request when several plan
-        at once)."""
-        idle = [worker for worker in self._workers.values() if len(worker.in_flight) < self.depth(worker)]
+        """Workers that can take another group of plans (room for `group` more within pipeline_depth
+        in flight): the fewest in flight first, then the most free KV (it gets the oldest waiting
+        request when several plan at once)."""
+        answer_every = self.answer_every
+        idle = [worker for worker in self._workers.values()
+                if len(worker.in_flight) + (1 if worker.stages > 1 else answer_every) <= self.depth(worker)]
         idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_available, worker.worker_id))
         return [worker.worker_id for worker in idle]
 

@@ -96,6 +96,7 @@ class SchedulerService:
             policy=settings.policy,
             max_batch_size=settings.max_batch_size,
             pipeline_depth=settings.pipeline_depth,
+            answer_every=settings.answer_every,
             max_batch_tokens=settings.max_batch_tokens,
             prefix_caching=settings.prefix_caching,
             placement=settings.placement,
@@ -201,31 +202,43 @@ class SchedulerService:
     def _dispatch(self) -> None:
         """Write the results of request-level batches that are done, then send every plan the
         workers can take now: with pipelining, up to pipeline_depth each (a worker group of
-        several pipeline stages: one per stage)."""
+        several pipeline stages: one per stage), in groups of answer_every."""
         started = time.process_time()
         self.link.extend(self.holding.release_finished_batches(self.policy))
         self.phase_cpu["fanout"] += time.process_time() - started
         for _ in range(self.policy.max_depth):
-            if not any([self._send_plan(worker_id) for worker_id in self.policy.idle_workers()]):
+            if not any([self._send_plans(worker_id) for worker_id in self.policy.idle_workers()]):
                 break
         started = time.process_time()
         self.outputs.publish_finished_without_token()
         self.phase_cpu["fanout"] += time.process_time() - started
 
-    def _send_plan(self, worker_id: str) -> bool:
-        started = time.process_time()
-        plan = self.policy.next_plan(worker_id)
-        planned = time.process_time()
-        self.phase_cpu["plan"] += planned - started
-        if plan is None:
+    def _send_plans(self, worker_id: str) -> bool:
+        """The worker's next group of plans (one, unless answer_every): every plan of it but the
+        last says "answer with the next" (the worker holds its result for the next one's, so the
+        group's results come back in one write and are read in one round trip)."""
+        plans = []
+        for _ in range(self.policy.group(worker_id)):
+            started = time.process_time()
+            plan = self.policy.next_plan(worker_id)
+            planned = time.process_time()
+            self.phase_cpu["plan"] += planned - started
+            if plan is None:
+                break
+            plans.append(plan)
+            for request_id in self.policy.joined(worker_id):  # (the others have stepped before: marked then)
+                self.outputs.mark_running(request_id)
+            self.phase_cpu["encode"] += time.process_time() - planned
+        if not plans:
             return False
-        self.link.queue("xadd", keys.plan_stream(worker_id), {"m": encode_plan(plan)},
-                        maxlen=PLAN_STREAM_MAXLEN, approximate=True)
-        for request_id in self.policy.joined(worker_id):  # (the others have stepped before: marked then)
-            self.outputs.mark_running(request_id)
-        self.phase_cpu["encode"] += time.process_time() - planned
-        log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
-                  plan.item_count, len(plan.new_requests), len(plan.free_request_ids))
+        started = time.process_time()
+        stream = keys.plan_stream(worker_id)
+        for plan in plans:
+            plan.answer_with_next = plan is not plans[-1]
+            self.link.queue("xadd", stream, {"m": encode_plan(plan)}, maxlen=PLAN_STREAM_MAXLEN, approximate=True)
+            log.debug("plan_sent worker_id=%s plan_id=%d items=%d new=%d free=%d", worker_id, plan.plan_id,
+                      plan.item_count, len(plan.new_requests), len(plan.free_request_ids))
+        self.phase_cpu["encode"] += time.process_time() - started
         return True
 
     # Postprocess: what the round trip read

@@ -32,6 +32,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
@@ -58,7 +59,7 @@ PLAN_BLOCK_MS = 250  # one wait for a plan: also how soon an idle worker notices
 DRAIN_BLOCK_MS = 100  # while draining: look at the exit conditions this often
 READ_BLOCK_MS = 100  # the plan reader's wait: also how soon it notices the worker stopping
 READ_SLACK_SECONDS = 10.0  # a blocked read may take this much longer than READ_BLOCK_MS before it is given up
-PREFETCH_PLANS = 4  # plans read ahead (the scheduler keeps pipeline_depth <= 4 in flight)
+PREFETCH_PLANS = 8  # plans read ahead (the scheduler keeps pipeline_depth <= 8 in flight)
 EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregister
 # A guard only: the scheduler trims the results stream to what it has read. Results it has not
 # read after this many are of no use (a scheduler that was down this long starts a new epoch).
@@ -78,6 +79,16 @@ class EngineBroken(Exception):
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+class Answer(NamedTuple):
+    """A plan's result as it waits to be published: its bytes, its token entries, the plan and its
+    entry in the plan stream."""
+
+    result: bytes
+    writes: list[Write]
+    plan: BatchPlan
+    entry_id: bytes
 
 
 class Worker:
@@ -289,18 +300,33 @@ class Worker:
         """In the step thread: run the plans read ahead (at least one: the loop calls it with one
         ready), one after the other, until none is left or the worker is told to stop (after each
         plan the loop then checks whether to drain or leave); each result is handed to the loop to
-        publish, in order."""
-        while True:
-            entry_id, fields = self._ready.popleft()
-            ran = self._run_plan(fields, entry_id)
-            if ran is not None:
-                loop.call_soon_threadsafe(self._queue_publish, *ran, stream, entry_id)
-            if not self._ready or stop_event.is_set():
-                return
+        publish, in order. A plan that says "answer with the next" has its result held while the
+        next plan runs, and written with that one's (of the same scheduler epoch); never longer than
+        this runs: a held result with no plan after it here goes out as this returns."""
+        held: list[Answer] = []
+        try:
+            while True:
+                entry_id, fields = self._ready.popleft()
+                ran = self._run_plan(fields, entry_id)
+                if ran is not None:
+                    answer, answer_with_next = ran
+                    if held and held[-1].plan.scheduler_epoch != answer.plan.scheduler_epoch:
+                        loop.call_soon_threadsafe(self._queue_publish, held, stream)
+                        held = []
+                    held.append(answer)
+                    if not answer_with_next:
+                        loop.call_soon_threadsafe(self._queue_publish, held, stream)
+                        held = []
+                if not self._ready or stop_event.is_set():
+                    return
+        finally:
+            if held:  # no next plan here (yet), or it was not one to run, or a step raised
+                loop.call_soon_threadsafe(self._queue_publish, held, stream)
 
-    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[bytes, list[Write], BatchPlan] | None:
-        """One plan: its result on the wire, its token entries and the plan (None for a plan not to
-        run). Raises EngineBroken when the engine can no longer compute."""
+    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[Answer, bool] | None:
+        """One plan: its answer (its result on the wire, its token entries, the plan) and whether it
+        may wait for the next plan's (None for a plan not to run). Raises EngineBroken when the
+        engine can no longer compute."""
         decoded = self._decode(fields, entry_id)
         if decoded is None:
             return None
@@ -322,13 +348,11 @@ class Worker:
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
             result, writes = self._encode(decoded, outcome)
         self._log_refusals(decoded, outcome)
-        return result, writes, plan
+        return Answer(result, writes, plan, entry_id), decoded.answer_with_next
 
-    def _queue_publish(self, result: bytes, writes: list[Write], plan: BatchPlan, stream: str,
-                       entry_id: bytes) -> None:
-        """Publish a result after the one before it (results go out in order)."""
-        self._publishing = asyncio.create_task(self._publish(result, writes, stream, entry_id, plan,
-                                                             after=self._publishing))
+    def _queue_publish(self, answers: list[Answer], stream: str) -> None:
+        """Publish results after the ones before them (results go out in order)."""
+        self._publishing = asyncio.create_task(self._publish(answers, stream, after=self._publishing))
 
     def _decode(self, fields: dict, entry_id: bytes) -> DecodedPlan | None:
         try:
@@ -388,7 +412,7 @@ class Worker:
         self.busy_seconds += now - max(launched_at, self._busy_until)  # overlapping plans counted once
         self._busy_until = now
         self._log_refusals(decoded, outcome)
-        await self._publish(*self._encode(decoded, outcome), stream, entry_id, decoded.plan)
+        await self._publish([Answer(*self._encode(decoded, outcome), decoded.plan, entry_id)], stream)
 
     def _log_refusals(self, decoded: DecodedPlan, outcome: StepOutcome) -> None:
         for error in outcome.errors:
@@ -398,21 +422,26 @@ class Worker:
             log.warning("event=item_error worker=%s handle=%d code=unknown_request message=%s", self.worker_id,
                         handle, message)
 
-    async def _publish(self, result: bytes, writes: list[Write], stream: str, entry_id: bytes, plan: BatchPlan,
-                       after: asyncio.Task | None = None) -> None:
-        """The result (after its token entries, in one script: services/worker/token_writer.py), and
-        the plan stream trimmed up to its plan (nobody else reads it), once the publish `after` is
-        done. Sent again until Redis takes it: at once the first time (a connection Redis dropped
-        since the last result, say on a restart), then every half second. (A result written twice
-        is read once: the scheduler takes one answer per plan; an entry written twice is skipped.)"""
+    async def _publish(self, answers: list[Answer], stream: str, after: asyncio.Task | None = None) -> None:
+        """The results of consecutive plans of one scheduler epoch (after their token entries, in
+        one script: services/worker/token_writer.py), and the plan stream trimmed up to the last
+        plan (nobody else reads it), once the publish `after` is done. Sent again until Redis takes
+        it: at once the first time (a connection Redis dropped since the last result, say on a
+        restart), then every half second. (A result written twice is read once: the scheduler
+        takes one answer per plan; an entry written twice is skipped.)"""
         if after is not None:
             await after
+        writes = [write for answer in answers for write in answer.writes]
+        results = [answer.result for answer in answers]
+        plan = answers[-1].plan
         if writes:  # (detokenized here, in the event loop, while the step thread runs the next step)
-            add = ("EVAL", WRITE_SCRIPT, 2, self.keys.results, self.keys.incarnation,
-                   self.token_writer.entries(writes), result, RESULTS_KEPT, plan.scheduler_epoch)
+            commands = [("EVAL", WRITE_SCRIPT, 2, self.keys.results, self.keys.incarnation,
+                         self.token_writer.entries(writes), results[0], RESULTS_KEPT, plan.scheduler_epoch,
+                         *results[1:])]
         else:
-            add = ("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result)
-        commands = [add, ("XTRIM", stream, "MINID", entry_id)]
+            commands = [("XADD", self.keys.results, "MAXLEN", "~", RESULTS_KEPT, "*", "m", result)
+                        for result in results]
+        commands.append(("XTRIM", stream, "MINID", answers[-1].entry_id))
         wait = 0.0
         while True:
             try:

@@ -33,9 +33,10 @@ from shared.wire import encode_plain_token_events
 # memory, a read-only replica, failing persistence) stops the script before the result is added, and
 # comes back as its reply: the worker sends it all again. An entry that fails for its key (a key of
 # the wrong type) is left out and its request named in the result's field `f` (msgpack list of ids):
-# the scheduler fails that request, as for its own writes. Then XADD of the result: KEYS[1] the
-# results stream, ARGV[2] the result, ARGV[3] the stream's approximate length. (EVAL with the
-# script's text: a restarted Redis has no script cache.)
+# the scheduler fails that request, as for its own writes. Then XADD of the results, in order:
+# KEYS[1] the results stream, ARGV[2] the first result, ARGV[5...] the others (the plans answered
+# together: Settings.answer_every), ARGV[3] the stream's approximate length; `f` goes with the
+# last. (EVAL with the script's text: a restarted Redis has no script cache.)
 # First of all, KEYS[2] (ModelKeys.incarnation) must hold the plan's scheduler epoch (ARGV[4]) and
 # this Redis server's run_id: if not, nothing is written and the reply is STALE. A Redis restarted
 # may have lost its last writes (appendfsync everysec: README, "fsync policy"), and an entry written
@@ -71,10 +72,19 @@ for i = 1, #stream_keys do
     failed[#failed + 1] = columns[5][i]
   end
 end
-if #failed > 0 then
-  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2], 'f', cmsgpack.pack(failed))
+local results = {ARGV[2]}
+for i = 5, #ARGV do
+  results[#results + 1] = ARGV[i]
 end
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', ARGV[2])
+local added
+for i, result in ipairs(results) do
+  if i == #results and #failed > 0 then
+    added = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', result, 'f', cmsgpack.pack(failed))
+  else
+    added = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'm', result)
+  end
+end
+return added
 """
 
 
