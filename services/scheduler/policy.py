@@ -329,7 +329,10 @@ class SchedulerPolicy:
         """Plans sent to the worker together and answered together (answer_every; one for a worker
         of several pipeline stages, which answers each plan as its tokens come back)."""
         worker = self._workers.get(worker_id)
-        return 1 if worker is None or worker.stages > 1 else self.answer_every
+        return 1 if worker is None else self._group_of(worker)
+
+    def _group_of(self, worker: WorkerState) -> int:
+        return 1 if worker.stages > 1 else self.answer_every
 
     def worker_down(self, worker_id: str) -> list[str]:
         """Forget a worker; its requests wait again (FCFS place kept), to be rebuilt elsewhere."""
@@ -414,9 +417,8 @@ class SchedulerPolicy:
         """Workers that can take another group of plans (room for `group` more within pipeline_depth
         in flight): the fewest in flight first, then the most free KV (it gets the oldest waiting
         request when several plan at once)."""
-        answer_every = self.answer_every
         idle = [worker for worker in self._workers.values()
-                if len(worker.in_flight) + (1 if worker.stages > 1 else answer_every) <= self.depth(worker)]
+                if len(worker.in_flight) + self._group_of(worker) <= self.depth(worker)]
         idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_available, worker.worker_id))
         return [worker.worker_id for worker in idle]
 
