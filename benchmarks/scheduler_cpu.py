@@ -68,7 +68,7 @@ from shared.plans import PlanReader, encode_plan, read_result, read_result_colum
 from shared.redis_connection import connect  # noqa: E402
 from shared.redis_exchange import encoded  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from shared.wire import encode_flat  # noqa: E402
+from shared.wire import encode_row  # noqa: E402
 
 PHASES = ("plan", "encode", "decode", "apply", "fanout", "pack")
 PROMPT_TOKENS, OUTPUT_TOKENS = 32, 256
@@ -184,7 +184,7 @@ class Harness:
                 for record in self.policy.take_iteration_records():
                     self.batch_sum += len(record.request_ids)
                     self.iterations += 1
-                    self.link.queue("xadd", self.link.keys.iterations, {"m": encode_flat(record)}, maxlen=1000,
+                    self.link.queue("xadd", self.link.keys.iterations, {"m": encode_row(record)}, maxlen=1000,
                                     approximate=False)
                 self.seconds["fanout"] += clock() - applied
                 self.pack_writes()

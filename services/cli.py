@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 
-from shared.config import Settings
+from shared.config import REQUEST_LOG, Settings
 
 SERVICE_OPTIONS = {
     # option: (settings field, type, help)
@@ -63,6 +63,8 @@ SERVICE_OPTIONS = {
                                   "contiguous decode KV kept across steps, in tokens (default 65536; 0: off)"),
     "--worker-id": ("worker_id", str, "this worker's id (default: drawn at start)"),
     "--log-level": ("log_level", str, "DEBUG, INFO, WARNING ..."),
+    "--log-requests": ("log_requests", bool, "the scheduler logs each request's admission and end (default: "
+                                             "only the gateways log requests, at their end)"),
     # Access and admission (services/gateway/admission.py)
     "--api-keys": ("api_keys", str, "comma-separated API keys (visible in ps: prefer --api-keys-file or the env)"),
     "--api-keys-file": ("api_keys_file", str, "file of API keys, one per line"),
@@ -103,6 +105,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def configure_logging(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The scheduler's request lines (INFO): off unless asked for, whatever the level.
+    logging.getLogger(REQUEST_LOG).setLevel(logging.NOTSET if settings.log_requests else logging.WARNING)
 
 
 def serve(run_service, settings: Settings) -> None:

@@ -17,6 +17,10 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
+# The logger of the scheduler's per-request lines (admitted, finished): Settings.log_requests.
+REQUEST_LOG = "iterserve.scheduler.requests"
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -119,6 +123,11 @@ class Settings(BaseModel):
     max_stop_strings: int = Field(4, ge=0)
     max_stop_length: int = Field(256, ge=1)  # characters of one stop string
     log_level: str = "INFO"
+    # The scheduler logs each request's admission and end (at INFO; the gateways log every
+    # request's end regardless). Off by default, as vLLM's --enable-log-requests: the lines are the
+    # one scheduler's CPU, a quarter of its fan-out at batch 64 with few fast workers
+    # (benchmarks/results/control_plane_2026-12-03_request_lines.md).
+    log_requests: bool = False
 
     @model_validator(mode="after")
     def _depth_holds_two_groups(self) -> "Settings":

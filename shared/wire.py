@@ -6,7 +6,7 @@ on its hot path and their size on Redis's; they are validated where they are rea
 """
 
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -22,10 +22,9 @@ def encode(message: BaseModel) -> bytes:
     return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
 
 
-def encode_flat(message: BaseModel) -> bytes:
-    """encode() of a model whose fields are all plain values (no nested model), without its dump
-    pass: a pydantic model's fields are its __dict__. (The iteration records: one per worker-iteration.)"""
-    return _PACKER.pack(message.__dict__)
+def encode_row(row: NamedTuple) -> bytes:
+    """encode() of the message whose fields a named tuple holds, in its order (IterationRow)."""
+    return _PACKER.pack(row._asdict())
 
 
 def decode(message_type: type[Message], data: bytes) -> Message:

@@ -66,7 +66,7 @@ class Cluster:
         options = {"port": self.port, "kv_blocks": kv_blocks, "max_batch_size": max_batch_size, "threads": threads,
                    "device": "cpu", "max_streams_per_key": 1024, **settings}
         self.env = dict(os.environ) | {"REDIS_URL": self.redis.url, "PYTHONUNBUFFERED": "1",
-                                       "ITERSERVE_LOG_LEVEL": "INFO"}
+                                       "ITERSERVE_LOG_LEVEL": "INFO", "ITERSERVE_LOG_REQUESTS": "1"}
         self.env |= {f"ITERSERVE_{name.upper()}": str(value) for name, value in options.items()}
         self.services: dict[str, Service] = {}  # every service started, by name (the latest of a name)
         self.history: list[Service] = []  # every process started, killed ones included

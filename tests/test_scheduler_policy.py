@@ -1,6 +1,7 @@
 """SchedulerPolicy: iteration-level scheduling bookkeeping, without Redis (services/scheduler/policy.py)."""
 
 import dataclasses
+import logging
 from collections import defaultdict
 
 import pytest
@@ -743,3 +744,24 @@ def test_a_row_taken_over_while_a_plan_naming_it_is_in_flight_gets_nothing_of_th
     outputs, reasons, _ = drive_pipelined(policy, {"w1": worker}, sent={"w1": [takeover]})
     assert outputs["second"] == expected_output("second", 5) and reasons == {"second": "length"}
     assert "first" not in outputs and policy.worker("w1").kv_blocks_reserved == 0
+
+
+@pytest.mark.parametrize("log_requests", [False, True])
+def test_the_admission_line_is_logged_only_with_log_requests(log_requests, caplog):
+    # Settings.log_requests (services/cli.py configure_logging): off, the scheduler's per-request
+    # lines stay off at any level (the chaos suite's clusters turn them on and replay them).
+    from services.cli import configure_logging
+    from shared.config import REQUEST_LOG, Settings
+
+    configure_logging(Settings(log_requests=log_requests))
+    try:
+        with caplog.at_level(logging.DEBUG):
+            policy = make_policy()
+            policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
+            policy.add_request(record("a"))
+            assert policy.next_plan("w1") is not None
+        admitted = [entry.getMessage() for entry in caplog.records if entry.getMessage().startswith("admitted ")]
+        assert admitted == (["admitted request_id=a worker_id=w1 tokens=4 output_tokens=0 cached_tokens=0"]
+                            if log_requests else [])
+    finally:
+        logging.getLogger(REQUEST_LOG).setLevel(logging.NOTSET)

@@ -19,11 +19,13 @@ from services.scheduler.policy import SchedulerPolicy, TokenOutcome, status_for
 from services.scheduler.redis_link import TOKEN_ENTRY, RedisLink, SchedulerStateError, Write
 from services.scheduler.request_state import RequestState
 from shared import keys
+from shared.config import REQUEST_LOG
 from shared.messages import FinishReason, RequestRecord
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, held_back_length, piece_after
 from shared.wire import encode_token_event
 
 log = logging.getLogger("iterserve.scheduler")
+request_log = logging.getLogger(REQUEST_LOG)  # each request's end (Settings.log_requests)
 
 REMEMBERED_IDS = 100_000  # recently finished ids: a duplicate new-request entry is not loaded again
 
@@ -251,7 +253,8 @@ class RequestOutputs:
         self._outputs.pop(request_id, None)
         self._marked_running.discard(request_id)
         self.recently_finished.add(request_id)
-        log.info("finished request_id=%s reason=%s completion_tokens=%d", request_id, reason, completion_tokens)
+        request_log.info("finished request_id=%s reason=%s completion_tokens=%d", request_id, reason,
+                         completion_tokens)
 
     def _write(self, request_id: str, command: str, *args: Any, **kwargs: Any) -> None:
         """A write to one request's keys (held while its request-level batch runs)."""

@@ -44,11 +44,14 @@ from typing import Literal, NamedTuple
 
 from services.scheduler.prefix_cache import extend_chain, root_hash
 from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
-from shared.messages import FinishReason, IterationRecord, NewRequest, PlanResult, RequestRecord, SamplingParams
+from shared.config import REQUEST_LOG
+from shared.messages import (PROTOCOL_VERSION, FinishReason, IterationRow, NewRequest, PlanResult, RequestRecord,
+                             SamplingParams)
 from shared.finishing import finish_reason, length_limit
 from shared.plans import ColumnPlan, ResultColumns
 
 log = logging.getLogger("iterserve.scheduler")
+request_log = logging.getLogger(REQUEST_LOG)  # each request's admission (Settings.log_requests)
 
 Policy = Literal["iteration", "request"]
 Placement = Literal["cache-aware", "least-loaded"]
@@ -277,14 +280,15 @@ class SchedulerPolicy:
         finished, self._finished_without_token = self._finished_without_token, []
         return finished
 
-    def take_iteration_records(self) -> list[IterationRecord]:
+    def take_iteration_records(self) -> list[IterationRow]:
         drafts, self._drafts = self._drafts, []
         self._latest_draft.clear()
         records = []
         for draft in drafts:
             flight = draft.in_flight
             self._iterations += 1
-            records.append(IterationRecord(
+            records.append(IterationRow(
+                version=PROTOCOL_VERSION,
                 iteration=self._iterations,
                 worker_id=flight.plan.worker_id,
                 plan_id=flight.plan.plan_id,
@@ -789,8 +793,9 @@ class SchedulerPolicy:
         if chunk > 0:  # the request policy admits its whole batch even past the token budget
             batch.chunks[state.request_id] = chunk
             batch.budget -= chunk
-        log.info("admitted request_id=%s worker_id=%s tokens=%d output_tokens=%d cached_tokens=%d",
-                 state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids), cached_tokens)
+        request_log.info("admitted request_id=%s worker_id=%s tokens=%d output_tokens=%d cached_tokens=%d",
+                         state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids),
+                         cached_tokens)
 
     def _emit_plan(self, batch: _Batch) -> ColumnPlan:
         """The plan: the decodes written in already, then the requests stepped one at a time."""

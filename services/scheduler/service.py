@@ -58,7 +58,7 @@ from shared.plans import ResultColumns, encode_plan, read_result, read_result_co
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.startup_heap import freeze_startup_heap
 from shared.tokenizer import Tokenizer
-from shared.wire import WireError, encode, encode_flat
+from shared.wire import WireError, encode, encode_row
 
 log = logging.getLogger("iterserve.scheduler")
 
@@ -300,7 +300,7 @@ class SchedulerService:
         self.last_iteration_at = time.time()
         if self.settings.iteration_records:
             for record in records:
-                self.link.queue("xadd", self.link.keys.iterations, {"m": encode_flat(record)},
+                self.link.queue("xadd", self.link.keys.iterations, {"m": encode_row(record)},
                                 maxlen=self.settings.iteration_records, approximate=False)
 
     def _write_failed(self, write: Write, error: Exception) -> None:
