@@ -493,20 +493,23 @@ class SchedulerPolicy:
         sampled = flight.handles if samples is None else [handle for handle, sample in zip(flight.handles, samples)
                                                            if sample]
         handles, token_ids, output_indexes = result.handles, result.token_ids, result.output_indexes
+        # (Columns beside the items', not a tuple per item: the loop below builds none per row.)
         if handles == sampled and samples is None:
-            answers = zip(token_ids, output_indexes, range(len(handles)))
+            positions, answer_tokens, answer_indexes = range(len(handles)), token_ids, output_indexes
         else:
             position_of = {handle: position for position, handle in enumerate(handles)}
-            answers = [(token_ids[position], output_indexes[position], position) if sample and (
-                position := position_of.get(handle)) is not None else None
-                for handle, sample in zip(flight.handles, samples or [True] * len(flight.handles))]
+            positions = [position_of.get(handle) if sample else None
+                         for handle, sample in zip(flight.handles, samples or repeat(True))]
+            answer_tokens = [None if position is None else token_ids[position] for position in positions]
+            answer_indexes = [None if position is None else output_indexes[position] for position in positions]
         # The worker wrote the token entries of the requests it writes for, all but these (None: none)
         unwritten = set(result.unwritten) if result.entries_written else None
         outcomes: list[TokenOutcome] = []
         prefix_caching, block_size = self.prefix_caching, worker.kv_block_size
         stop_token_ids, logprobs, left = self.stop_token_ids, result.logprobs, flight.left
-        for index, (state, output_index, answer, sample) in enumerate(zip(
-                flight.states, flight.output_indexes, answers, samples or repeat(True))):
+        for state, output_index, token_id, answered_index, position, sample, end in zip(
+                flight.states, flight.output_indexes, answer_tokens, answer_indexes, positions,
+                samples or repeat(True), ends or repeat(0)):
             if left and state in left:
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
             if sample:
@@ -517,20 +520,20 @@ class SchedulerPolicy:
                     self._on_item_error(worker, state, *error)
                     continue
             if prefix_caching:  # (a decode fills a block once in kv_block_size steps: the test first)
-                end = state.prompt_length + output_index if sample else ends[index]  # (KV tokens after it)
+                if sample:  # (KV tokens after it: a chunk short of its prompt's end says where it ends)
+                    end = state.prompt_length + output_index
                 if end // block_size > len(state.held_hashes):
                     self._register_blocks(worker, state, end)
             if not sample:
                 continue
             output = state.output_token_ids
-            if answer is None or answer[1] != output_index or output_index != len(output):
-                if answer is not None and answer[1] == output_index < len(output):
+            if position is None or answered_index != output_index or output_index != len(output):
+                if position is not None and answered_index == output_index < len(output):
                     continue  # already have it
-                got = None if answer is None else answer[:2]
+                got = None if position is None else (token_id, answered_index)
                 self._on_item_error(worker, state, "bad_item",
                                     f"expected a token at output_index {output_index}, got (token, index) {got}")
                 continue
-            token_id = answer[0]
             output.append(token_id)
             written = unwritten is not None and state.workers_write and state.row not in unwritten
             # (_finish_reason_after_output's first test, inline: most tokens end nothing)
@@ -542,7 +545,7 @@ class SchedulerPolicy:
                 continue  # its worker wrote its token entry: nothing is left to do with the token
             else:
                 reason = None
-            logprob, top = logprobs.get(answer[2], (None, ())) if logprobs else (None, ())
+            logprob, top = logprobs.get(position, (None, ())) if logprobs else (None, ())
             outcomes.append(TokenOutcome(state, token_id, output_index, reason, logprob, top, written))
         return outcomes
 
