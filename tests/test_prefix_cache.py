@@ -391,3 +391,19 @@ def test_greedy_tokens_with_prefixes_from_the_cache_equal_transformers():
         assert cluster.states[f"{index}-turn2"].cached_tokens >= len(prompt) // 16 * 16
         assert cluster.output(f"{index}-turn2") == expected(second), f"turn 2 of prompt {index}"
     cluster.assert_nothing_held()
+
+
+def test_a_long_prompts_blocks_enter_the_cache_chunk_by_chunk_as_its_prefill_runs():
+    # A prompt prefilled in chunks registers each chunk's full blocks as that chunk's result is
+    # applied (SchedulerPolicy.on_result: where a chunk short of its prompt's end leaves the KV),
+    # not only once the whole prompt has run, so a request sharing the prefix can find them sooner.
+    cluster = Cluster({"w1": emulated(64)}, pipeline_depth=1)
+    cluster.add("long", range(3, 63), max_tokens=2)  # 60 tokens: chunks of 24, 24 and 12
+    cached = []
+    for _ in range(3):
+        cluster.plan("w1")
+        assert cluster.run_one("w1")
+        cached.append(len(cluster.policy.worker("w1").cache))
+    assert cached == [6, 12, 15]  # full blocks of 4 tokens after 24, 48 and 60
+    cluster.drain()
+    cluster.assert_nothing_held()
