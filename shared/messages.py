@@ -248,23 +248,9 @@ class IterationRecord(Frozen):
     step_seconds: float = 0.0  # the worker's time in the engine for this plan
 
 
-class IterationRow(NamedTuple):
-    """An IterationRecord as the scheduler makes one every worker-iteration: the same fields in the
-    same order, not validated (they come from its own bookkeeping; validating a batch's 64 request
-    ids cost about 6 us warm, more inside the system). shared/wire.py encode_row writes the
-    record's bytes, and readers decode an IterationRecord."""
-
-    version: int
-    iteration: int
-    worker_id: str
-    plan_id: int
-    request_ids: tuple[str, ...]
-    joined: tuple[str, ...]
-    finished: tuple[str, ...]
-    cancelled: tuple[str, ...]
-    preempted: tuple[str, ...]
-    prefill_tokens: int
-    decode_tokens: int
-    started_at: float
-    finished_at: float
-    step_seconds: float
+# An IterationRecord as the scheduler makes one every worker-iteration: the same fields in the same
+# order (derived from the record's), not validated (they come from its own bookkeeping; validating a
+# batch's 64 request ids cost about 6 us warm, more inside the system). shared/wire.py encode_row
+# writes the record's bytes, and readers decode an IterationRecord.
+IterationRow = NamedTuple("IterationRow", [(name, info.annotation)
+                                           for name, info in IterationRecord.model_fields.items()])
