@@ -80,12 +80,12 @@ def token_for(seed: int, output_index: int) -> int:
 
 class Harness:
     def __init__(self, batch: int, workers: int, depth: int, stop: str | None, logprobs: bool,
-                 worker_entries: bool = True) -> None:
+                 worker_entries: bool = True, steps: int = 1) -> None:
         self.tokenizer = Tokenizer.load()
         settings = Settings()  # the defaults `iterserve up` runs with (prefix caching, cache-aware placement)
         self.policy = SchedulerPolicy(
             "epoch", context_length=8192, stop_token_ids=self.tokenizer.stop_token_ids, max_batch_size=batch,
-            pipeline_depth=depth, max_batch_tokens=settings.max_batch_tokens, prefix_caching=settings.prefix_caching,
+            pipeline_depth=depth, scheduler_steps=steps, max_batch_tokens=settings.max_batch_tokens, prefix_caching=settings.prefix_caching,
             placement=settings.placement, placement_slack=settings.placement_slack,
             placement_threshold=settings.placement_threshold, cache_salt=settings.model,
             text_context=self.tokenizer.text_context if worker_entries else None)
@@ -125,12 +125,24 @@ class Harness:
             self.outputs.start(state.record, [], 0)
             self.submitted += 1
 
-    def answer(self, worker_id: str, data: bytes) -> bytes:
-        """The worker's side (not timed): decode the plan as a worker would and sample fake tokens."""
+    def answer(self, worker_id: str, data: bytes) -> list[bytes]:
+        """The worker's side (not timed): decode the plan as a worker would and sample fake tokens;
+        a result for each of its steps (--steps)."""
         reader = self.readers[worker_id]
         started = time.process_time()
-        decoded = reader.decode(data, lambda request_id: self.kv_lengths.get(request_id, 0), worker_id)
+        kv_length = lambda request_id: self.kv_lengths.get(request_id, 0)  # noqa: E731
+        decoded = reader.decode(data, kv_length, worker_id)
         self.worker_seconds += time.process_time() - started
+        answers = []
+        while decoded is not None:
+            answers.append(self._answer_step(worker_id, decoded))
+            started = time.process_time()
+            decoded = reader.next_step(decoded, kv_length)
+            self.worker_seconds += time.process_time() - started
+        return answers
+
+    def _answer_step(self, worker_id: str, decoded) -> bytes:
+        reader = self.readers[worker_id]
         for request_id in decoded.plan.free_request_ids:
             self.kv_lengths.pop(request_id, None)
         tokens, logprobs = {}, {}
@@ -170,23 +182,24 @@ class Harness:
                 self.pack_writes()
                 if not self.in_flight[worker_id]:
                     continue
-                answer = msgpack.unpackb(self.in_flight[worker_id].popleft())["m"]
-                started = clock()
-                _, raw = read_result(answer)
-                result = read_result_columns(raw)
-                decoded = clock()
-                self.seconds["decode"] += decoded - started
-                outcomes = self.policy.on_result(result)
-                applied = clock()
-                self.seconds["apply"] += applied - decoded
-                self.outputs.publish_tokens(outcomes, worker_id)
-                self.outputs.publish_finished_without_token()
-                for record in self.policy.take_iteration_records():
-                    self.batch_sum += len(record.request_ids)
-                    self.iterations += 1
-                    self.link.queue("xadd", self.link.keys.iterations, {"m": encode_row(record)}, maxlen=1000,
-                                    approximate=False)
-                self.seconds["fanout"] += clock() - applied
+                for entry in self.in_flight[worker_id].popleft():  # (a plan's steps: read in one round trip)
+                    answer = msgpack.unpackb(entry)["m"]
+                    started = clock()
+                    _, raw = read_result(answer)
+                    result = read_result_columns(raw)
+                    decoded = clock()
+                    self.seconds["decode"] += decoded - started
+                    outcomes = self.policy.on_result(result)
+                    applied = clock()
+                    self.seconds["apply"] += applied - decoded
+                    self.outputs.publish_tokens(outcomes, worker_id)
+                    self.outputs.publish_finished_without_token()
+                    for record in self.policy.take_iteration_records():
+                        self.batch_sum += len(record.request_ids)
+                        self.iterations += 1
+                        self.link.queue("xadd", self.link.keys.iterations, {"m": encode_row(record)}, maxlen=1000,
+                                        approximate=False)
+                    self.seconds["fanout"] += clock() - applied
                 self.pack_writes()
                 if self.evict is not None:
                     self.evict.sum()  # read it all, then dirty a word of every cache line
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--depth", type=int, default=2, help="plans in flight per worker (--pipeline-depth)")
+    parser.add_argument("--steps", type=int, default=1, help="decode steps a plan runs (--scheduler-steps)")
     parser.add_argument("--iterations", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--stop", nargs="?", const="\u2603", default=None,
@@ -302,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
             args.batch, ", ".join(f"{way} {value:.0f} us" for way, value in timings.items())))
         return
     harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs,
-                      worker_entries=not args.scheduler_token_entries)
+                      worker_entries=not args.scheduler_token_entries, steps=args.steps)
     if args.evict_caches:
         harness.evict = np.ones(int(args.evict_caches * 2**20) // 8)
     harness.idle_seconds, harness.spin = args.idle_ms / 1000, args.spin

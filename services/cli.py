@@ -34,6 +34,8 @@ SERVICE_OPTIONS = {
     "--pipeline-depth": ("pipeline_depth", int, "plans in flight per worker (default 2: the next is planned while one runs)"),
     "--answer-every": ("answer_every", int, "plans a worker answers with one result write, sent together (default 1; "
                                             "K > 1 needs --pipeline-depth 2K: fewer scheduler round trips, K-1 steps later)"),
+    "--scheduler-steps": ("scheduler_steps", int, "decode steps one plan runs, answered together (default 1; N > 1: "
+                                                  "the scheduler plans once per N steps, a request joins up to N later)"),
     "--scheduler-token-entries": ("worker_token_entries", "off", "the scheduler writes every token entry (default: "
                                                               "workers write those of tokens that end nothing)"),
     "--no-prefix-caching": ("prefix_caching", "off", "recompute every prompt (default: finished requests' KV blocks "

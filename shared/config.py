@@ -49,6 +49,14 @@ class Settings(BaseModel):
     # steps longer and a new request joining up to K steps later; it needs pipeline_depth >= 2K (a
     # group runs while the next is planned). Workers of several pipeline stages answer each plan.
     answer_every: int = Field(1, ge=1, le=4)
+    # Decode steps one plan may run (vLLM v0's --num-scheduler-steps): a plan whose every item
+    # samples a token (decodes) is run that many times over by its worker, each step feeding the
+    # token the step before sampled, and answered with one result write, one result per step. The
+    # scheduler plans, encodes and reads once per N steps, not once per step, for a new request
+    # joining up to N steps later and a finished one's KV freed up to N - 1 steps later (the tokens
+    # sampled past a stop token or a cancel are dropped). 1 (the default): Orca's one plan per step.
+    # Not with answer_every > 1 (two ways of answering several steps at once).
+    scheduler_steps: int = Field(1, ge=1, le=16)
     # Workers write the token entries of tokens that end nothing, of requests without stop strings or
     # logprobs under the iteration policy (docs/protocol.md); False: the scheduler writes them all.
     worker_token_entries: bool = True
@@ -135,6 +143,9 @@ class Settings(BaseModel):
             raise ValueError(f"answer_every {self.answer_every} needs pipeline_depth at least "
                              f"{2 * self.answer_every} (a group of plans runs while the next is planned), "
                              f"not {self.pipeline_depth}")
+        if self.scheduler_steps > 1 and self.answer_every > 1:
+            raise ValueError(f"scheduler_steps {self.scheduler_steps} and answer_every {self.answer_every}: "
+                             "choose one (each answers several steps with one write)")
         return self
 
     @property

@@ -222,6 +222,8 @@ class SchedulerInfo(Frozen):
     cpu_seconds: float = 0.0  # the scheduler process's CPU time since it started
     phase_cpu_seconds: dict[str, float] = {}  # of it, by phase (services/scheduler/service.py PHASES)
     round_trips: int = 0  # Redis round trips of its loop since it started (each sends writes and reads inputs)
+    # Plans sent since it started: iterations over plans is the steps a plan runs (Settings.scheduler_steps).
+    plans: int = 0
     # Prefix caching: prompt (and rebuilt output) tokens looked up at admissions, and found cached.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0

@@ -20,6 +20,13 @@ epoch or a plan that says free_all. A plan naming a handle the worker does not h
 `unknown_request` error for that item. `PlanCodec` makes the same plans from BatchPlans, by
 request id, for tests and tools.
 
+A plan of decodes alone may say it runs several steps (Settings.scheduler_steps, vLLM v0's
+multi-step scheduling): the worker runs it, then runs its items again as decodes that feed the
+token each sampled, output index and plan id one more each step, for as many steps as the plan
+says (each item: `item_steps`, where some run fewer: a request that reaches its max_tokens), and
+answers each step with a result of its own, all in one write. So the scheduler plans, encodes and
+reads once for N worker-iterations.
+
 Prefix caching adds three fields, all empty when it is off: blocks to register (handles, block
 indexes, hashes), hashes of blocks to evict, and on a new request the hashes of the cached blocks
 it starts with (hashes are 16 bytes each, concatenated).
@@ -27,6 +34,7 @@ it starts with (hashes are 16 bytes each, concatenated).
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -40,6 +48,7 @@ from shared.wire import WireError
 PLAN_FORMAT = 2
 MAX_HANDLE = 65535  # handles are uint16 on the wire
 MAX_INDEX = 2**31
+MAX_STEPS = 16  # steps one plan may run (Settings.scheduler_steps)
 ERROR_CODES = ("kv_cache_full", "out_of_memory", "unknown_request", "bad_item", "cache_mismatch")
 HASH_BYTES = 16  # a prefix-cache block hash (services/scheduler/prefix_cache.py)
 _I32, _U16 = np.dtype("<i4"), np.dtype("<u2")
@@ -138,6 +147,10 @@ class ColumnPlan:
     item_ids: tuple[str, ...] = ()  # each item's request id: the decodes, then the others
     # The worker holds this plan's result and writes it with the next plan's (Settings.answer_every).
     answer_with_next: bool = False
+    # Steps the plan runs (Settings.scheduler_steps; every item samples), and each item's, in wire
+    # order, where some run fewer (empty: all run `steps`).
+    steps: int = 1
+    item_steps: Sequence[int] = ()
 
     @property
     def item_count(self) -> int:
@@ -175,6 +188,10 @@ def encode_plan(plan: ColumnPlan) -> bytes:
         message["ev"] = b"".join(plan.evict_blocks)
     if plan.answer_with_next:
         message["g"] = True
+    if plan.steps > 1:
+        message["k"] = plan.steps
+        if len(plan.item_steps):
+            message["ks"] = _array(plan.item_steps, np.uint8)
     if len(plan.handles):
         message |= {"h": _array(plan.handles, _U16), "s": _array(plan.starts, _I32), "c": _array(plan.counts, _I32),
                     "m": _array(plan.samples, np.uint8), "o": _array(plan.outputs, _I32),
@@ -244,7 +261,9 @@ class PlanCodec:
         self._next_handle = 0
         self._sent: dict[int, dict[int, str]] = {}  # each plan not answered: its items' handle -> request id
 
-    def encode(self, plan: BatchPlan, answer_with_next: bool = False) -> bytes:
+    def encode(self, plan: BatchPlan, answer_with_next: bool = False, steps: int = 1,
+               item_steps: Sequence[int] = ()) -> bytes:
+        """item_steps: in the plan's item order (encoded in wire order: its fed decodes first)."""
         if plan.scheduler_epoch != self.epoch or plan.free_all:
             self.epoch = plan.scheduler_epoch
             self._handle_of.clear()
@@ -273,7 +292,11 @@ class PlanCodec:
             new_handles.append(handle)
         decodes = [item for item in plan.items if item.feeds_sampled and item.sample]
         others = [item for item in plan.items if not (item.feeds_sampled and item.sample)]
-        self._sent[plan.plan_id] = {self._handle_of[item.request_id]: item.request_id for item in plan.items}
+        for step in range(steps):  # (a step's answer names the requests that run it)
+            self._sent[plan.plan_id + step] = {self._handle_of[item.request_id]: item.request_id for item in plan.items}
+        if item_steps:
+            steps_of = dict(zip([item.request_id for item in plan.items], item_steps, strict=True))
+            item_steps = [steps_of[item.request_id] for item in decodes + others]
 
         return encode_plan(ColumnPlan(
             scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=plan.worker_id,
@@ -285,7 +308,8 @@ class PlanCodec:
             handles=[self._handle_of[item.request_id] for item in others],
             starts=[item.start_position for item in others], counts=[len(item.token_ids) for item in others],
             samples=[item.sample for item in others], outputs=[item.output_index for item in others],
-            tokens=[token for item in others for token in item.token_ids], answer_with_next=answer_with_next))
+            tokens=[token for item in others for token in item.token_ids], answer_with_next=answer_with_next,
+            steps=steps, item_steps=item_steps))
 
     def decode_result(self, raw: dict) -> PlanResult:
         """A worker's answer (as read_result gave it), its handles read back as the plan it answers
@@ -353,6 +377,12 @@ class DecodedPlan:
     item_handles: list[int]
     unknown: list[tuple[int, str]]  # (handle, message) of items naming a handle this worker does not hold
     answer_with_next: bool = False  # its result may wait for the next plan's, to go out with it
+    # A plan of several steps (ColumnPlan.steps): which step this is (0: the plan as sent), how many
+    # the plan runs, each item's (None: all `steps`) and whether the last step's result may wait.
+    step: int = 0
+    steps: int = 1
+    item_steps: list[int] | None = None
+    last_answer_with_next: bool = False
 
 
 class PlanReader:
@@ -423,14 +453,6 @@ class PlanReader:
         decode_outputs = _ints(raw, kind, "do", _I32, 1)
         if decode_handles.size != decode_outputs.size:
             raise WireError(f"{kind}: {decode_handles.size} decode handles, {decode_outputs.size} output indexes")
-        request_of = self._request_of
-        for handle, output_index in zip(decode_handles.tolist(), decode_outputs.tolist()):
-            request_id = request_of.get(handle)
-            if request_id is None:
-                unknown.append((handle, "a decode for a handle this worker does not hold"))
-                continue
-            items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
-            item_handles.append(handle)
         handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
         starts, counts = _ints(raw, kind, "s", _I32), _ints(raw, kind, "c", _I32, 1)
         samples, outputs = _ints(raw, kind, "m", np.dtype(np.uint8), 0, 2), _ints(raw, kind, "o", _I32)
@@ -438,6 +460,25 @@ class PlanReader:
         if not handles.size == starts.size == counts.size == samples.size == outputs.size or \
                 int(counts.sum()) != tokens.size:
             raise WireError(f"{kind}: item fields of different lengths")
+        steps = _field(raw, kind, "k", int, 1)
+        if not 1 <= steps <= MAX_STEPS:
+            raise WireError(f"{kind}: steps {steps} outside [1, {MAX_STEPS}]")
+        wire_steps = _ints(raw, kind, "ks", np.dtype(np.uint8), 1, steps + 1).tolist()
+        if steps > 1 and not samples.all():
+            raise WireError(f"{kind}: a plan of {steps} steps with an item that samples no token")
+        if wire_steps and len(wire_steps) != decode_handles.size + handles.size:
+            raise WireError(f"{kind}: {len(wire_steps)} item steps for {decode_handles.size + handles.size} items")
+        request_of = self._request_of
+        item_steps = [] if wire_steps else None  # each decoded item's, where they differ
+        for position, (handle, output_index) in enumerate(zip(decode_handles.tolist(), decode_outputs.tolist())):
+            request_id = request_of.get(handle)
+            if request_id is None:
+                unknown.append((handle, "a decode for a handle this worker does not hold"))
+                continue
+            if wire_steps:
+                item_steps.append(wire_steps[position])
+            items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
+            item_handles.append(handle)
         ends = np.cumsum(counts).tolist()
         token_list = tokens.tolist()
         for index, (handle, start, sample, output_index) in enumerate(zip(handles.tolist(), starts.tolist(),
@@ -446,15 +487,41 @@ class PlanReader:
             if request_id is None:
                 unknown.append((handle, "an item for a handle this worker does not hold"))
                 continue
+            if wire_steps:
+                item_steps.append(wire_steps[decode_handles.size + index])
             begin = ends[index - 1] if index else 0
             items.append(StepItem(request_id=request_id, token_ids=tuple(token_list[begin : ends[index]]),
                                   start_position=start, sample=bool(sample), output_index=output_index))
             item_handles.append(handle)
-        self.last_plan_id = plan_id
+        self.last_plan_id = plan_id + steps - 1  # (the later steps' results answer the ids after it)
         plan = BatchPlan(scheduler_epoch=epoch, plan_id=plan_id, worker_id=_field(raw, kind, "w", str),
                          new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all,
                          register_blocks=tuple(registered), evict_blocks=_hashes(raw.get("ev", b""), kind, "ev"))
-        return DecodedPlan(plan, item_handles, unknown, _field(raw, kind, "g", bool, False))
+        answer_with_next = _field(raw, kind, "g", bool, False)
+        return DecodedPlan(plan, item_handles, unknown, answer_with_next or steps > 1, steps=steps,
+                           item_steps=item_steps, last_answer_with_next=answer_with_next)
+
+    @staticmethod
+    def next_step(decoded: DecodedPlan, kv_length) -> DecodedPlan | None:
+        """A plan of several steps: its next step, once the step before has run (None after its last):
+        the items that run it, each a decode feeding the token it sampled in the step before
+        (kv_length as for decode). Its result answers the next plan id; its unknown handles were
+        answered by the first step's."""
+        step = decoded.step + 1
+        if step >= decoded.steps:
+            return None
+        plan, item_steps = decoded.plan, decoded.item_steps
+        kept = [(item, handle) for item, handle, count in zip(plan.items, decoded.item_handles,
+                                                              item_steps or repeat(decoded.steps)) if count > step]
+        items = tuple([from_fields(StepItem, (item.request_id, (), kv_length(item.request_id), True,
+                                              item.output_index + 1, True)) for item, _ in kept])
+        return DecodedPlan(
+            BatchPlan(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id + 1, worker_id=plan.worker_id,
+                      items=items),
+            [handle for _, handle in kept], [],
+            decoded.last_answer_with_next if step == decoded.steps - 1 else True, step=step, steps=decoded.steps,
+            item_steps=None if item_steps is None else [count for count in item_steps if count > step],
+            last_answer_with_next=decoded.last_answer_with_next)
 
     def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
                       errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,

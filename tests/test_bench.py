@@ -453,11 +453,12 @@ def _point_for_readme() -> dict:
 
 
 def _snapshot(at: float, busy: list[float], iterations: int, cpu: float, phases: dict[str, float],
-              round_trips: int = 0) -> dict:
+              round_trips: int = 0, plans: int = 0) -> dict:
     return {"workers": [{"id": f"w{index}", "heartbeat_at": at, "busy_seconds": seconds, "executor": "emulated",
                          "hardware": "h100-llama3-8b"} for index, seconds in enumerate(busy)],
             "scheduler": {"heartbeat_at": at, "iterations": iterations, "cpu_seconds": cpu,
-                          "phase_cpu_seconds": phases, "round_trips": round_trips}}
+                          "phase_cpu_seconds": phases, "round_trips": round_trips,
+                          "plans": plans}}
 
 
 def test_control_plane_figures_from_two_status_snapshots():
@@ -465,11 +466,11 @@ def test_control_plane_figures_from_two_status_snapshots():
     from shared.messages import IterationRecord
 
     zero = dict.fromkeys(PHASES, 0.0)
-    before = _snapshot(100.0, [5.0, 7.0], iterations=1000, cpu=2.0, phases=zero, round_trips=900)
+    before = _snapshot(100.0, [5.0, 7.0], iterations=1000, cpu=2.0, phases=zero, round_trips=900, plans=600)
     # 10 s later: worker 0 was in steps 9.6 s, worker 1 8.0 s; 2000 worker-iterations, 3 s of scheduler CPU,
-    # 1500 round trips
+    # 1500 round trips, 800 plans (--scheduler-steps: 2.5 worker-iterations a plan)
     after = _snapshot(110.0, [14.6, 15.0], iterations=3000, cpu=5.0, phases=zero | {"plan": 1.0, "fanout": 0.5},
-                      round_trips=2400)
+                      round_trips=2400, plans=1400)
     records = [IterationRecord(iteration=index, worker_id="w0", plan_id=index, request_ids=("a",) * batch, joined=(),
                                finished=(), prefill_tokens=0, decode_tokens=batch, started_at=0, finished_at=0,
                                step_seconds=step)
@@ -485,6 +486,7 @@ def test_control_plane_figures_from_two_status_snapshots():
     assert figures["gap_ms_per_iteration"] == pytest.approx(1.2)
     assert figures["mean_batch"] == 48 and figures["mean_decode_step_ms"] == pytest.approx(5.0)
     assert figures["round_trips_per_iteration"] == pytest.approx(0.75)
+    assert figures["iterations_per_plan"] == pytest.approx(2.5)
     rows = [{"profile": "p", "workers": workers, "busy_min": busy}
             for workers, busy in [(1, 0.99), (2, 0.96), (4, 0.9), (8, 0.97)]]
     assert largest_busy_fleet(rows, "p") == 8 and largest_busy_fleet(rows, "other") == 0
@@ -495,7 +497,7 @@ def test_control_plane_figures_from_two_status_snapshots():
                         "cpu_us_per_iteration_by_component": {"worker": 321.4, "redis": 123.0, "scheduler": 1500.0}}]}
     text = markdown(report)
     assert "EMULATED" in text and "| h100-llama3-8b | 5.00 | 2 | 48.0 | 0.80 | 0.88 | 200 | 30% | 1500 | 500 |" in text
-    assert "| 0.75 | 1.20 | 321 | 123 |" in text  # round trips and the gap per worker-iteration, the CPU of others
+    assert "| 0.75 | 2.50 | 1.20 | 321 | 123 |" in text  # round trips, iterations a plan, the gap, others' CPU
     assert "2 plans in flight per worker" in text
 
 

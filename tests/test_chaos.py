@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "smollm2-135m-instruct"
 FINISH_SECONDS = 180  # a scenario's requests all end within this, or something is stuck
 PIPELINE_DEPTH = Settings().pipeline_depth  # plans in flight per worker (the clusters' default)
+STEPS_A_PLAN = 1  # the executor's scheduler_steps (each plan in flight may sample that many tokens)
 REPORT: dict[str, dict] = {}  # what each fault cost, filled by the tests
 REPORT_SUFFIX = ""  # the executor of the scenarios running now: "" for the model, "@emulated"
 
@@ -279,7 +280,8 @@ def check_token_streams(cluster: Cluster, outputs: dict[str, Output]) -> None:
         final = events[-1]
         if final.token_id < 0:
             assert tokens == events[:-1], f"{name}: an end without a token before a token"
-            assert len(tokens) - PIPELINE_DEPTH <= final.index == final.completion_tokens <= len(tokens), \
+            in_flight = PIPELINE_DEPTH * STEPS_A_PLAN  # tokens the plans in flight may sample
+            assert len(tokens) - in_flight <= final.index == final.completion_tokens <= len(tokens), \
                 f"{name}: its end counts {final.completion_tokens} of {len(tokens)} tokens"
 
 
@@ -412,13 +414,17 @@ def test_a_failing_scenario_leaves_no_process_behind():
 EXECUTORS = {
     "engine": {},
     "emulated": {"executor": "emulated", "hardware": "h100-qwen2.5-32b"},
+    # Plans of decodes run 4 steps each (Settings.scheduler_steps): a fault or a cancel lands in the
+    # middle of a plan's steps, whose later tokens are dropped, and the same checks hold.
+    "emulated-4-steps": {"executor": "emulated", "hardware": "h100-qwen2.5-32b", "scheduler_steps": 4},
 }
 
 
 @pytest.fixture(scope="module", params=list(EXECUTORS))
 def executor(request) -> dict[str, str]:
-    global REPORT_SUFFIX
+    global REPORT_SUFFIX, STEPS_A_PLAN
     REPORT_SUFFIX = "" if request.param == "engine" else f"@{request.param}"
+    STEPS_A_PLAN = int(EXECUTORS[request.param].get("scheduler_steps", 1))
     return EXECUTORS[request.param]
 
 
@@ -483,8 +489,9 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
     check_token_streams(cluster, {"long": output})
     with_it = [record for record in iteration_records(cluster) if output.request_id in record.request_ids]
     # Each iteration it was in gave it a token, except the ones in flight when the cancel came
-    # (plans are pipelined: up to pipeline_depth of them), whose tokens were discarded.
-    in_flight_at_most = Settings().pipeline_depth
+    # (plans are pipelined: up to pipeline_depth of them, each of up to STEPS_A_PLAN steps), whose
+    # tokens were discarded.
+    in_flight_at_most = PIPELINE_DEPTH * STEPS_A_PLAN
     assert final.completion_tokens <= len(with_it) <= final.completion_tokens + in_flight_at_most, (
         f"{len(with_it)} iterations for {final.completion_tokens} tokens: it ran on after the cancel")
     # Its KV is free once the plans in flight at the cancel and the one plan that frees it have run.

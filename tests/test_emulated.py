@@ -384,3 +384,69 @@ async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits
         [[(index, emulated_token(seed, index, engine.vocab_size))] for index in range(steps)]
     # every token's entry but the last (the scheduler's: it ends the request), in order
     assert [entry_id for entry_id, _ in entries] == [f"0-{index + 1}".encode() for index in range(steps - 1)]
+
+
+async def test_a_plan_of_several_steps_runs_them_all_and_answers_each_in_one_write(redis_client, redis_url):
+    """Settings.scheduler_steps: a plan of decodes that says it runs N steps is run N times over,
+    each step feeding the token the step before sampled (output index and plan id one more each
+    step), every step answered by a result of its own and all of them written at once, after their
+    token entries; an item that runs fewer steps (its request's max_tokens) stops there."""
+    import asyncio
+
+    from services.worker.service import Worker
+    from shared import keys
+    from shared.config import Settings
+    from shared.messages import BatchPlan, NewRequest
+    from shared.plans import PlanCodec, read_result
+
+    settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
+                        drain_seconds=0.5)
+    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 8, 49152, 2048, sleep=lambda seconds: None)
+    worker = Worker(settings, engine, "w-steps")
+    published = []
+    publish = worker._publish
+    worker._publish = lambda answers, *args, **kwargs: (published.append([a.plan.plan_id for a in answers]),
+                                                        publish(answers, *args, **kwargs))[1]
+    long_id, short_id = "0" * 31 + "1", "0" * 31 + "2"
+    run_id = (await redis_client.info("server"))["run_id"]
+    await redis_client.set(worker.keys.incarnation, f"e1 {run_id}")  # the pool loaded under e1: entries land
+    for request_id in (long_id, short_id):
+        await redis_client.hset(keys.request_key(request_id), "status", "running")
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    codec, stream, prompt = PlanCodec(), keys.plan_stream("w-steps"), (5, 6, 7)
+    first = BatchPlan(scheduler_epoch="e1", plan_id=1, worker_id="w-steps", new_requests=tuple(
+        NewRequest(request_id=request_id, sampling=SamplingParams(max_tokens=20, seed=seed), entries_below=20,
+                   text_context=prompt) for request_id, seed in ((long_id, 11), (short_id, 12))),
+        items=(StepItem(long_id, prompt, 0, True, 0), StepItem(short_id, prompt, 0, True, 0)))
+    # Then 5 steps more of both fed decodes, the second request's only 2 of them
+    second = BatchPlan(scheduler_epoch="e1", plan_id=2, worker_id="w-steps", items=(
+        StepItem(long_id, (), len(prompt), True, 1, True), StepItem(short_id, (), len(prompt), True, 1, True)))
+    answers = []
+    try:
+        await asyncio.sleep(0.3)  # the worker is reading its plan stream
+        await redis_client.xadd(stream, {"m": codec.encode(first)})
+        await redis_client.xadd(stream, {"m": codec.encode(second, steps=5, item_steps=[5, 2])})
+        async with asyncio.timeout(20):
+            while len(answers) < 6:
+                results = await redis_client.xrange(worker.keys.results)
+                answers.extend(codec.decode_result(read_result(fields[b"m"])[1]) for _, fields in results[len(answers):])
+                await asyncio.sleep(0.05)
+        entries = {request_id: await redis_client.xrange(keys.token_stream(request_id))
+                   for request_id in (long_id, short_id)}
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+        for request_id in (long_id, short_id):
+            await redis_client.delete(keys.request_key(request_id), keys.token_stream(request_id))
+    assert published[-1] == [2, 3, 4, 5, 6]  # the plan's 5 steps, in one write
+    assert [answer.plan_id for answer in answers] == [1, 2, 3, 4, 5, 6]
+    tokens = [{token.request_id: (token.output_index, token.token_id) for token in answer.tokens}
+              for answer in answers]
+    assert [sorted(step) for step in tokens] == [sorted([long_id, short_id])] * 3 + [[long_id]] * 3
+    for request_id, seed, count in ((long_id, 11, 6), (short_id, 12, 3)):
+        assert [step[request_id] for step in tokens if request_id in step] == \
+            [(index, emulated_token(seed, index, engine.vocab_size)) for index in range(count)]
+        assert [entry_id for entry_id, _ in entries[request_id]] == [f"0-{index + 1}".encode()
+                                                                      for index in range(count)]
+    assert all(not answer.errors for answer in answers)

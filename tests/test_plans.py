@@ -209,3 +209,46 @@ def test_a_plan_read_twice_is_run_once_and_changes_nothing_the_second_time():
     # A new scheduler's plans start again from its own ids.
     fresh = codec.encode(BatchPlan(scheduler_epoch="f", plan_id=1, worker_id="w1"))
     assert reader.decode(fresh, lambda request_id: 0, "w1") is not None
+
+
+def test_a_plan_of_several_steps_round_trips_and_its_steps_follow_as_fed_decodes():
+    """Settings.scheduler_steps on the wire: the steps and each item's (where some run fewer) come
+    back as sent; the reader's next_step gives each later step's items (fed decodes, output index and
+    plan id one more, the KV length the worker has then) until every item has run its steps; a plan
+    id within a plan's steps is one run already; a plan of steps with an item that samples nothing
+    is refused."""
+    import pytest
+
+    from shared.plans import ColumnPlan, encode_plan
+    from shared.wire import WireError
+
+    codec, reader = PlanCodec(), PlanReader()
+    sampling = SamplingParams(seed=1)
+    joined = BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w1",
+                       new_requests=tuple(NewRequest(request_id=f"cmpl-{name}", sampling=sampling) for name in "abc"))
+    reader.decode(codec.encode(joined), lambda request_id: 0, "w1")
+    plan = BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w1", items=(
+        StepItem("cmpl-a", (), 10, True, 4, True), StepItem("cmpl-b", (7,), 20, True, 9),
+        StepItem("cmpl-c", (), 30, True, 2, True)))
+    kv = {"cmpl-a": 10, "cmpl-b": 20, "cmpl-c": 30}
+    decoded = reader.decode(codec.encode(plan, steps=3, item_steps=[3, 1, 2]), kv.__getitem__, "w1")
+    assert (decoded.steps, decoded.answer_with_next, decoded.last_answer_with_next) == (3, True, False)
+    assert decoded.plan.items == tuple(plan.items[index] for index in (0, 2, 1))  # wire order: fed decodes first
+    assert decoded.item_steps == [3, 2, 1]
+    seen = []
+    while decoded is not None:
+        seen.append((decoded.plan.plan_id, [(item.request_id, item.start_position, item.output_index,
+                                             item.feeds_sampled) for item in decoded.plan.items],
+                     decoded.answer_with_next))
+        for item in decoded.plan.items:  # the step ran: one token more in each one's KV
+            kv[item.request_id] += len(item.token_ids) or 1
+        decoded = reader.next_step(decoded, kv.__getitem__)
+    assert seen[1:] == [(3, [("cmpl-a", 11, 5, True), ("cmpl-c", 31, 3, True)], True),
+                        (4, [("cmpl-a", 12, 6, True)], False)]
+    # Plan ids 3 and 4 were the plan's steps: a plan sent with one of them is a copy
+    assert reader.decode(codec.encode(BatchPlan(scheduler_epoch="e", plan_id=4, worker_id="w1")),
+                         kv.__getitem__, "w1") is None
+    refused = ColumnPlan(scheduler_epoch="e", plan_id=9, worker_id="w1", handles=[0], starts=[0], counts=[2],
+                         samples=[False], outputs=[0], tokens=[1, 2], item_ids=("cmpl-a",), steps=2)
+    with pytest.raises(WireError, match="samples no token"):
+        reader.decode(encode_plan(refused), kv.__getitem__, "w1")

@@ -56,6 +56,7 @@ class FakeWorker:
         self.known: set[str] = set()
         self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
         self.sampled_count: dict[str, int] = defaultdict(int)  # tokens sampled per request, wasted ones too
+        self.steps_run: list[int] = []  # each plan's steps (scheduler_steps), as run_all ran them
 
     def run(self, plan: BatchPlan) -> PlanResult:
         for request_id in plan.free_request_ids:
@@ -84,6 +85,23 @@ class FakeWorker:
                 self.last_sampled[item.request_id] = (item.output_index, self.token(item.request_id, item.output_index))
                 self.sampled_count[item.request_id] += 1
         return answer(plan, self.token)
+
+    def run_all(self, plan) -> list[PlanResult]:
+        """A plan and, for a plan of several steps (scheduler_steps), each later step as the worker
+        runs it (shared/plans.py PlanReader.next_step): its items that run that step, as decodes
+        feeding the token each sampled, at the next output index; a result for every step."""
+        results = [self.run(plan)]
+        self.steps_run.append(plan.steps)
+        items = list(plan.items)  # (wire order: item_steps' order)
+        counts = list(plan.item_steps) or [plan.steps] * len(items)
+        for step in range(1, plan.steps):
+            kept = [(item, count) for item, count in zip(items, counts) if count > step]
+            items = [item._replace(token_ids=(), start_position=len(self.kv[item.request_id]),
+                                   output_index=item.output_index + 1, feeds_sampled=True) for item, _ in kept]
+            counts = [count for _, count in kept]
+            results.append(self.run(BatchPlan(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id + step,
+                                              worker_id=plan.worker_id, items=tuple(items))))
+        return results
 
 
 def collect(outcomes, outputs: dict[str, list[int]], reasons: dict[str, str]) -> None:
@@ -131,8 +149,9 @@ def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max
                 queued[worker_id].append(plan)
             depth_seen = max(depth_seen, len(queued[worker_id]))
             if queued[worker_id]:
-                collect(policy.on_result(worker.run(queued[worker_id].pop(0))), outputs, reasons)
-                assert policy.row_disagreements() == []
+                for result in worker.run_all(queued[worker_id].pop(0)):  # (a plan of several steps: each)
+                    collect(policy.on_result(result), outputs, reasons)
+                    assert policy.row_disagreements() == []
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -326,6 +345,34 @@ def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
     assert rebuild.output_index == 2
     assert outputs["young"] == expected_output("young", 3)[2:]
     assert reasons == {"old": "length", "young": "length"}
+
+
+def test_a_plan_runs_several_steps_only_within_free_kv_blocks_and_preempts_nobody_for_them():
+    """scheduler_steps: a plan's later steps need KV blocks of their own; when they are not free the
+    plan runs one step (the preemption a step needs happens as without steps, never one for more)."""
+    policy = make_policy(scheduler_steps=4)
+    policy.worker_up("w1", kv_blocks_total=4, kv_block_size=4)
+    old = record("old", prompt_len=7, arrival=0, max_tokens=6)
+    young = record("young", prompt_len=7, arrival=1, max_tokens=3)
+    policy.add_request(old)
+    policy.add_request(young)
+    worker = FakeWorker({"old": old.prompt_token_ids, "young": young.prompt_token_ids})
+    plans = []
+    for _ in range(2):  # 2 blocks each (the cache full), 3 each for 3 more steps: one step each time
+        plans.append(policy.next_plan("w1"))
+        for result in worker.run_all(plans[-1]):
+            policy.on_result(result)
+    assert [(plan.steps, len(plan.items), plan.free_request_ids) for plan in plans] == [(1, 2, ()), (1, 2, ())]
+    plan = policy.next_plan("w1")  # position 8 needs a third block: the youngest makes room, as before
+    assert [item.request_id for item in plan.items] == ["old"] and plan.free_request_ids == ("young",)
+    assert plan.steps == 4, "alone, the old one's 3 blocks hold its next 4 tokens (its last 4: max_tokens 6)"
+    outputs, reasons = defaultdict(list), {}
+    for result in worker.run_all(plan):
+        collect(policy.on_result(result), outputs, reasons)
+    assert outputs["old"] == expected_output("old", 6)[2:] and reasons == {"old": "length"}
+    rest, reasons, _ = drive_pipelined(policy, {"w1": worker})
+    assert rest["young"] == expected_output("young", 3)[2:] and reasons == {"young": "length"}
+    assert policy.worker("w1").kv_blocks_reserved == 0
 
 
 def test_kv_cache_full_error_from_the_worker_requeues_the_request():
@@ -596,10 +643,13 @@ def test_request_too_big_for_any_worker_finishes_with_length():
         ("huge", "length")]
 
 
+@pytest.mark.parametrize("scheduler_steps", [1, 3])
 @pytest.mark.parametrize("pipeline_depth", [1, 2])
 @pytest.mark.parametrize("policy_name", ["iteration", "request"])
-def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_name, pipeline_depth):
-    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16, pipeline_depth=pipeline_depth)
+def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_name, pipeline_depth,
+                                                                         scheduler_steps):
+    policy = make_policy(policy=policy_name, max_batch_size=4, max_batch_tokens=16, pipeline_depth=pipeline_depth,
+                         scheduler_steps=scheduler_steps)
     prompts = {}
     for worker_id in ("w1", "w2"):
         policy.worker_up(worker_id, kv_blocks_total=12, kv_block_size=4)
@@ -611,6 +661,8 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
     workers = {"w1": FakeWorker(prompts), "w2": FakeWorker(prompts)}
     outputs, reasons, depth_seen = drive_pipelined(policy, workers)
     assert depth_seen == pipeline_depth
+    steps_run = workers["w1"].steps_run + workers["w2"].steps_run
+    assert max(steps_run) == (scheduler_steps if policy_name == "iteration" else 1)
     for index in range(20):
         assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
         assert reasons[f"r{index}"] == "length"
@@ -678,13 +730,16 @@ def test_the_next_plan_feeds_the_token_the_plan_in_flight_samples():
     assert worker.sampled_count["a"] == 3, "no token wasted when max_tokens ends it"
 
 
-def test_a_stop_token_costs_at_most_one_speculative_token():
+@pytest.mark.parametrize("scheduler_steps", [1, 4])
+def test_a_stop_token_costs_at_most_one_speculative_token(scheduler_steps):
+    """... one plan's worth: with scheduler_steps, a plan's steps after the stop token's, and one
+    step of the plan planned meanwhile."""
     stop_at = {"a": 2, "b": 0, "c": 5}  # the output index where each samples a stop token
 
     def token(request_id: str, index: int) -> int:
         return 2 if index == stop_at[request_id] else token_for(request_id, index)
 
-    policy = make_policy(pipeline_depth=2)
+    policy = make_policy(pipeline_depth=2, scheduler_steps=scheduler_steps)
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     prompts = {}
     for index, request_id in enumerate(stop_at):
@@ -696,7 +751,8 @@ def test_a_stop_token_costs_at_most_one_speculative_token():
     for request_id, index in stop_at.items():
         assert outputs[request_id] == [token(request_id, i) for i in range(index + 1)]
         assert reasons[request_id] == "stop"
-        assert worker.sampled_count[request_id] - len(outputs[request_id]) <= 1
+        assert worker.sampled_count[request_id] - len(outputs[request_id]) <= 2 * scheduler_steps - 1
+    assert max(worker.steps_run) == scheduler_steps
     assert policy.worker("w1").kv_blocks_reserved == 0
 
 

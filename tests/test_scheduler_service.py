@@ -74,6 +74,7 @@ class FakeWorker:
         self.plans: list[BatchPlan] = []
         self.answer_with_next: list[bool] = []  # each plan's flag (Settings.answer_every)
         self.answers_written: list[list[int]] = []  # the plan ids of each result write
+        self.steps_sent: list[int] = []  # the steps of each plan of several (Settings.scheduler_steps)
         self.reader = PlanReader()  # the handles the scheduler gives this worker's requests
         # The real worker's token entries (services/worker/token_writer.py), when asked: written with
         # each result, as the worker writes them
@@ -133,25 +134,31 @@ class FakeWorker:
             for _, entries in reply or ():
                 for position, (entry_id, fields) in enumerate(entries):
                     last_id = entry_id
-                    decoded = self.reader.decode(fields[b"m"], lambda request_id: len(self.kv.get(request_id, ())),
-                                                 self.worker_id)
+                    kv_length = lambda request_id: len(self.kv.get(request_id, ()))  # noqa: E731
+                    decoded = self.reader.decode(fields[b"m"], kv_length, self.worker_id)
                     if decoded is None:  # a resent copy of a plan run already (the real worker skips it too)
                         continue
-                    plan = decoded.plan
-                    self.plans.append(plan)
-                    self.answer_with_next.append(decoded.answer_with_next)
-                    result = self._run(plan)
-                    for handle, message in decoded.unknown:
-                        self.errors.append(f"plan {plan.plan_id}: handle {handle}: {message}")
-                    sampled = {token.request_id: token.token_id for token in result.tokens}
-                    writes, unwritten = self.token_writer.after_step(plan, sampled) if self.token_writer else ([], None)
-                    payload = self.reader.encode_result(
-                        decoded, sampled, {},
-                        [(error.request_id, error.code, error.message) for error in result.errors],
-                        result.kv_blocks_total, result.kv_blocks_free, result.step_seconds, unwritten=unwritten)
-                    await asyncio.sleep(self.step_seconds)
-                    held.append((plan.plan_id, payload, writes))
-                    if decoded.answer_with_next and position + 1 < len(entries):
+                    if decoded.steps > 1:
+                        self.steps_sent.append(decoded.steps)
+                    while decoded is not None:  # (a plan of several steps: each, as the real worker runs them)
+                        plan = decoded.plan
+                        self.plans.append(plan)
+                        self.answer_with_next.append(decoded.answer_with_next)
+                        result = self._run(plan)
+                        for handle, message in decoded.unknown:
+                            self.errors.append(f"plan {plan.plan_id}: handle {handle}: {message}")
+                        sampled = {token.request_id: token.token_id for token in result.tokens}
+                        writes, unwritten = (self.token_writer.after_step(plan, sampled) if self.token_writer
+                                             else ([], None))
+                        payload = self.reader.encode_result(
+                            decoded, sampled, {},
+                            [(error.request_id, error.code, error.message) for error in result.errors],
+                            result.kv_blocks_total, result.kv_blocks_free, result.step_seconds, unwritten=unwritten)
+                        await asyncio.sleep(self.step_seconds)
+                        held.append((plan.plan_id, payload, writes))
+                        answer_with_next = decoded.answer_with_next
+                        decoded = self.reader.next_step(decoded, kv_length)
+                    if answer_with_next and position + 1 < len(entries):
                         continue  # as the real worker: held while the next plan (read with it) runs
                     payloads = [payload for _, payload, _ in held]
                     writes = [write for _, _, plan_writes in held for write in plan_writes]
@@ -297,10 +304,12 @@ def check_stream(request_id: str, events: list[TokenEvent], seed: int, prompt_le
     assert [event.token_id for event in events] == [fake_token(seed, index) for index in range(completion_tokens)]
 
 
-@pytest.mark.parametrize("answer_every", [1, 2], ids=["answered-each", "answered-in-pairs"])
+@pytest.mark.parametrize("answer_every", [1, 2, "steps"], ids=["answered-each", "answered-in-pairs", "multi-step"])
 @pytest.mark.parametrize("writes_entries", [False, True], ids=["scheduler-entries", "worker-entries"])
 async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, settings, writes_entries, answer_every):
-    if answer_every > 1:  # plans sent in pairs, the first answered with the second (Settings.answer_every)
+    if answer_every == "steps":  # plans of decodes run 4 steps each, answered together (Settings.scheduler_steps)
+        settings = Settings(**(settings.model_dump() | {"scheduler_steps": 4}))
+    elif answer_every > 1:  # plans sent in pairs, the first answered with the second (Settings.answer_every)
         settings = Settings(**(settings.model_dump() | {"answer_every": answer_every, "pipeline_depth": 2 * answer_every}))
     prompts = {"cmpl-len": (1, 2, 3), "cmpl-eos": (4, 5), "cmpl-stopstr": (6, 7, 8, 9),
                "cmpl-long": tuple(range(300, 400))}
@@ -340,7 +349,14 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
         assert any(item.feeds_sampled for plan in worker.plans for item in plan.items), "plans were pipelined"
         assert worker.errors == []
-        if answer_every == 1:
+        max_tokens = {"cmpl-len": 5, "cmpl-eos": 20, "cmpl-stopstr": 20, "cmpl-long": 4}
+        assert all(item.output_index < max_tokens[item.request_id] for plan in worker.plans for item in plan.items), \
+            "a step sampled past its request's max_tokens"
+        if answer_every == "steps":  # each plan of several steps answered in one write; max_tokens never passed
+            assert worker.steps_sent and max(worker.steps_sent) == 4
+            assert any(len(ids) == 4 for ids in worker.answers_written)
+            assert all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in worker.answers_written)
+        elif answer_every == 1:
             assert not any(worker.answer_with_next) and {len(ids) for ids in worker.answers_written} == {1}
         else:  # in pairs (one alone where the second of a pair had nothing to run)
             assert sum(len(ids) == 2 for ids in worker.answers_written) > len(worker.answers_written) / 2

@@ -255,13 +255,16 @@ def test_request_level_policy_makes_new_requests_wait_for_the_whole_batch(redis_
     assert all(set(r.joined) <= set(with_long[0].request_ids) for r in with_long)
 
 
-def test_plans_answered_in_pairs_give_every_request_what_the_engine_alone_gives(engine_alone, tokenizer):
-    """`--answer-every 2`: the worker answers plans two at a time (docs/protocol.md); requests of
-    different lengths, joining and leaving a batch whose plans go out and come back in pairs, still
+@pytest.mark.parametrize("options", [("--answer-every", "2", "--pipeline-depth", "4"), ("--scheduler-steps", "4")],
+                         ids=["answered-in-pairs", "four-steps-a-plan"])
+def test_plans_answered_together_give_every_request_what_the_engine_alone_gives(engine_alone, tokenizer, options):
+    """`--answer-every 2`: the worker answers plans two at a time (docs/protocol.md); `--scheduler-steps
+    4`: a plan of decodes runs up to 4 steps on the worker, each answered, all in one write. Requests of
+    different lengths, joining and leaving a batch whose plans go out and come back in groups, still
     get exactly what each gets alone, streamed or not."""
     prompts = ["The capital of France is", "Write a haiku about autumn leaves:", "1, 2, 3, 4,"]
     lengths = [7, 19, 12]
-    with System("--answer-every", "2", "--pipeline-depth", "4", workers=1) as system:
+    with System(*options, workers=1) as system:
         client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
 
         def complete(prompt: str, max_tokens: int) -> str:
@@ -278,7 +281,12 @@ def test_plans_answered_in_pairs_give_every_request_what_the_engine_alone_gives(
     for prompt, length, text in zip(prompts, lengths, texts):
         assert text == engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), length)[0], prompt
     assert streamed == engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompts[0]), 9)[0]
-    assert status["scheduler"]["iterations"] > 0
+    scheduler = status["scheduler"]
+    assert scheduler["iterations"] > 0
+    if "--scheduler-steps" in options:  # plans of decodes ran several steps each
+        assert scheduler["iterations"] > 1.5 * scheduler["plans"], scheduler  # (24 in 9 plans here)
+    else:  # a plan a step (the last plans' answers may be after the heartbeat /status shows)
+        assert 0 < scheduler["iterations"] <= scheduler["plans"], scheduler
 
 
 def test_sigterm_stops_the_whole_system_and_leaves_no_process_behind():

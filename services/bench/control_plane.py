@@ -68,6 +68,7 @@ class Sizes:
     max_batch_size: int = 64
     pipeline_depth: int = 2  # plans in flight per worker (the system's default)
     answer_every: int = 1  # plans a worker answers with one result write (the system's default)
+    scheduler_steps: int = 1  # decode steps one plan runs (the system's default)
     scheduler_token_entries: bool = False  # the scheduler writes every token entry (not the system's default)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
@@ -173,6 +174,9 @@ def measure(before: dict, after: dict, records: list[IterationRecord]) -> dict:
         "scheduler_cpu_share": cpu / wall if wall > 0 else float("nan"),
         "scheduler_cpu_us_per_iteration": cpu * per_iteration,
         "phase_cpu_us_per_iteration": {phase: seconds * per_iteration for phase, seconds in phases.items()},
+        # (a plan of several steps is several worker-iterations: Settings.scheduler_steps)
+        "iterations_per_plan": (iterations / (scheduler_after.get("plans", 0) - scheduler_before.get("plans", 0))
+                                if scheduler_after.get("plans", 0) > scheduler_before.get("plans", 0) else float("nan")),
         "round_trips_per_iteration": ((scheduler_after["round_trips"] - scheduler_before["round_trips"]) / iterations
                                       if iterations else float("nan")),
         "gap_ms_per_iteration": ((len(busy) * wall - busy_total) / iterations * 1000) if iterations else float("nan"),
@@ -192,6 +196,7 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
                                      "--max-batch-size", str(sizes.max_batch_size),
                                      "--pipeline-depth", str(sizes.pipeline_depth),
                                      "--answer-every", str(sizes.answer_every),
+                                     "--scheduler-steps", str(sizes.scheduler_steps),
                                      *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else [])),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
 
@@ -275,7 +280,8 @@ def markdown(report: dict) -> str:
         f"{report['sizes']['requests_per_worker']} active requests per worker ({report['sizes']['prompt_tokens']}-token "
         f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}, "
         f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`), "
-        f"answered {report['sizes'].get('answer_every', 1)} at a time (`--answer-every`); "
+        f"answered {report['sizes'].get('answer_every', 1)} at a time (`--answer-every`), "
+        f"plans of decodes running {report['sizes'].get('scheduler_steps', 1)} steps each (`--scheduler-steps`); "
         + ("the scheduler writes every token entry (`--scheduler-token-entries`); "
            if report["sizes"].get("scheduler_token_entries")
            else "the workers write the token entries of plain tokens; ")
@@ -283,9 +289,9 @@ def markdown(report: dict) -> str:
         f"{report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
         "| profile (emulated) | step ms | workers | batch | busy min | busy mean | plans/s | scheduler CPU | "
-        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | gap ms / it | "
+        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | it / plan | gap ms / it | "
         "workers' CPU µs / it | Redis's CPU µs / it |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         phases = row["phase_cpu_us_per_iteration"]
@@ -294,7 +300,8 @@ def markdown(report: dict) -> str:
             f"{row['busy_min']:.2f} | {row['busy_mean']:.2f} | {row['plans_per_s']:.0f} | "
             f"{row['scheduler_cpu_share']:.0%} | {row['scheduler_cpu_us_per_iteration']:.0f} | "
             + " | ".join(f"{phases[phase]:.0f}" for phase in PHASES)
-            + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row['gap_ms_per_iteration'], 2)} | "
+            + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row.get('iterations_per_plan', float('nan')), 2)}"
+            f" | {_f(row['gap_ms_per_iteration'], 2)} | "
             f"{_component_cpu(row, 'worker')} | {_component_cpu(row, 'redis')} |")
     lines += ["", "Largest fleet one scheduler keeps every worker at least 95% busy:", ""]
     for profile, fleet in report["largest_busy_fleet"].items():
@@ -313,7 +320,8 @@ def markdown(report: dict) -> str:
         "Columns: step ms = mean emulated decode step; busy = share of wall time inside steps (per worker, from "
         "/status busy_seconds); plans/s = worker-iterations through the scheduler; scheduler CPU = its CPU time over "
         "wall time; CPU µs / it = its CPU time per worker-iteration, then by phase; round trips / it = its Redis "
-        "round trips per worker-iteration (one each: no result read with another); gap ms / it = a worker's mean "
+        "round trips per worker-iteration (one each: no result read with another); it / plan = worker-iterations "
+        "per plan the scheduler sent (more than one with `--scheduler-steps`); gap ms / it = a worker's mean "
         "time between steps; workers' and Redis's CPU µs / it = their CPU time per worker-iteration (the workers' "
         "summed): with the scheduler's, what one worker-iteration costs the host.",
         "",
@@ -361,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--answer-every", type=int,
                         help="plans a worker answers with one result write (default 1, the system's; K > 1 "
                              "needs --pipeline-depth 2K)")
+    parser.add_argument("--scheduler-steps", type=int,
+                        help="decode steps one plan runs, answered together (default 1, the system's)")
     parser.add_argument("--scheduler-token-entries", action="store_true",
                         help="the scheduler writes every token entry (default: the workers write most)")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
@@ -379,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["pipeline_depth"] = args.pipeline_depth
     if args.answer_every:
         overrides["answer_every"] = args.answer_every
+    if args.scheduler_steps:
+        overrides["scheduler_steps"] = args.scheduler_steps
     if args.scheduler_token_entries:
         overrides["scheduler_token_entries"] = True
     if overrides:

@@ -101,5 +101,5 @@ class WorkerLiveness:
         for worker_id in self.policy.worker_ids:
             worker = self.policy.worker(worker_id)
             if worker.in_flight and now - worker.in_flight[0].started_at > self.stall_seconds:
-                log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight[0].plan.plan_id)
+                log.warning("plan_stalled worker_id=%s plan_id=%d", worker_id, worker.in_flight[0].plan_id)
                 self.policy.reset_worker(worker_id)

@@ -48,7 +48,7 @@ from shared.config import REQUEST_LOG
 from shared.messages import (PROTOCOL_VERSION, FinishReason, IterationRow, NewRequest, PlanResult, RequestRecord,
                              SamplingParams)
 from shared.finishing import finish_reason, length_limit
-from shared.plans import ColumnPlan, ResultColumns
+from shared.plans import MAX_STEPS, ColumnPlan, ResultColumns
 
 log = logging.getLogger("iterserve.scheduler")
 request_log = logging.getLogger(REQUEST_LOG)  # each request's admission (Settings.log_requests)
@@ -156,6 +156,7 @@ class SchedulerPolicy:
         max_batch_tokens: int = 512,
         pipeline_depth: int = 1,
         answer_every: int = 1,
+        scheduler_steps: int = 1,
         prefix_caching: bool = False,
         placement: Placement = "least-loaded",
         placement_slack: int = 8,
@@ -188,6 +189,9 @@ class SchedulerPolicy:
         if answer_every < 1:
             raise ValueError("answer_every must be at least 1")
         self.answer_every = answer_every
+        if not 1 <= scheduler_steps <= MAX_STEPS:
+            raise ValueError(f"scheduler_steps must be in [1, {MAX_STEPS}]")
+        self.scheduler_steps = scheduler_steps
         self.context_length = context_length
         self.stop_token_ids = frozenset(stop_token_ids)
         self._text_context = text_context if policy == "iteration" else None
@@ -291,8 +295,8 @@ class SchedulerPolicy:
                 version=PROTOCOL_VERSION,
                 iteration=self._iterations,
                 worker_id=flight.plan.worker_id,
-                plan_id=flight.plan.plan_id,
-                request_ids=flight.plan.item_ids,
+                plan_id=flight.plan_id,
+                request_ids=flight.request_ids,
                 joined=flight.joined,
                 finished=tuple(draft.finished),
                 cancelled=tuple(draft.cancelled),
@@ -355,7 +359,7 @@ class SchedulerPolicy:
         self._latest_draft.pop(worker_id, None)
         self._left_since_record.pop(worker_id, None)
         log.info("worker_down worker_id=%s requeued=%d abandoned_plans=%s", worker_id, len(moved),
-                 [flight.plan.plan_id for flight in worker.in_flight])
+                 [flight.plan_id for flight in worker.in_flight])
         return moved
 
     def reset_worker(self, worker_id: str) -> list[str]:
@@ -422,8 +426,8 @@ class SchedulerPolicy:
         in flight): the fewest in flight first, then the most free KV (it gets the oldest waiting
         request when several plan at once)."""
         idle = [worker for worker in self._workers.values()
-                if len(worker.in_flight) + self._group_of(worker) <= self.depth(worker)]
-        idle.sort(key=lambda worker: (len(worker.in_flight), -worker.kv_blocks_available, worker.worker_id))
+                if worker.plans_in_flight + self._group_of(worker) <= self.depth(worker)]
+        idle.sort(key=lambda worker: (worker.plans_in_flight, -worker.kv_blocks_available, worker.worker_id))
         return [worker.worker_id for worker in idle]
 
     # Iterations
@@ -432,7 +436,7 @@ class SchedulerPolicy:
         """The worker's next iteration, or None while pipeline_depth plans are in flight or it has
         nothing to do."""
         worker = self._workers.get(worker_id)
-        if worker is None or len(worker.in_flight) >= self.depth(worker):
+        if worker is None or worker.plans_in_flight >= self.depth(worker):
             return None
         batch = _Batch(worker, budget=self.max_batch_tokens)
         forming = not worker.running  # the request policy admits only into an empty worker
@@ -458,7 +462,7 @@ class SchedulerPolicy:
             worker is None
             or flight is None
             or result.scheduler_epoch != self.epoch
-            or result.plan_id != flight.plan.plan_id  # a worker answers its plans in order
+            or result.plan_id != flight.plan_id  # a worker answers its plans (and their steps) in order
         ):
             log.debug("stale_result worker_id=%s plan_id=%d epoch=%s",
                       result.worker_id, result.plan_id, result.scheduler_epoch)
@@ -481,7 +485,7 @@ class SchedulerPolicy:
                 # The worker dropped its cache (a mismatch) or requests it had blocks registered for (out
                 # of memory): its cache and this copy may differ. It starts over, empty; its requests are
                 # rebuilt, as they would be anyway (every item of such a plan is in error).
-                log.warning("worker_cache_reset worker_id=%s plan_id=%d", worker.worker_id, flight.plan.plan_id)
+                log.warning("worker_cache_reset worker_id=%s plan_id=%d", worker.worker_id, flight.plan_id)
                 self.reset_worker(worker.worker_id)
                 return []
             errors = {handle: (code, message) for handle, code, message in result.errors}
@@ -800,8 +804,45 @@ class SchedulerPolicy:
                          state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids),
                          cached_tokens)
 
+    def _plan_steps(self, batch: _Batch) -> list[int] | None:
+        """A plan whose every item samples (decodes, and prompts whose last chunk it feeds), on a
+        worker of one stage: each item's steps (scheduler_steps, fewer for a request that reaches its
+        output limit sooner), their KV blocks reserved and their tokens counted in flight; None when
+        it runs one step (a prefill chunk short of its prompt's end, or too few KV blocks free for the
+        steps: nothing is preempted for them)."""
+        worker = batch.worker
+        if worker.stages > 1 or self.policy != "iteration" or not all(batch.samples):
+            return None
+        states = batch.fed_states + batch.states  # (each: its tokens counted in computed, its sample in flight)
+        if not states:
+            return None
+        most, block_size = self.scheduler_steps, worker.kv_block_size
+        # Each one's steps: as many more samples as its output limit leaves (this step's sample is
+        # counted: at least one step), and the KV blocks its last step needs beyond those it holds.
+        steps, more_blocks = [], []
+        for state in states:
+            count = state.output_limit - len(state.output_token_ids) - state.in_flight_samples + 1
+            if count > most:
+                count = most
+            steps.append(count)
+            last = state.computed + count - 1  # (tokens in its KV after its last step)
+            if last > state.kv_blocks * block_size:
+                more_blocks.append((state, -(-last // block_size) - state.kv_blocks))
+        if more_blocks:
+            blocks = sum([count for _, count in more_blocks])
+            if blocks > worker.kv_blocks_available:
+                return None
+            worker.take_blocks(blocks)
+            for state, count in more_blocks:
+                state.kv_blocks += count
+        for state, count in zip(states, steps):
+            state.computed += count - 1
+            state.in_flight_samples += count - 1
+        return steps
+
     def _emit_plan(self, batch: _Batch) -> ColumnPlan:
-        """The plan: the decodes written in already, then the requests stepped one at a time."""
+        """The plan: the decodes written in already, then the requests stepped one at a time (and
+        with scheduler_steps, how many steps each item runs: _plan_steps)."""
         worker = batch.worker
         running = worker.running
         for request_id, chunk in batch.chunks.items():
@@ -830,6 +871,7 @@ class SchedulerPolicy:
                 self._add_item(batch, state, start, chunk, sample, outputs, state.tokens(start, end))
                 state.in_flight_samples += sample
             state.computed = end
+        steps = self._plan_steps(batch) if self.scheduler_steps > 1 else None
         new_states = [state for request_id, state in running.items() if request_id not in worker.known] \
             if not worker.known.issuperset(running) else []  # (one set operation in the common case)
         worker.known.update(state.request_id for state in new_states)
@@ -852,7 +894,11 @@ class SchedulerPolicy:
             outputs=batch.outputs, tokens=batch.tokens,
             item_ids=tuple([state.request_id for state in states]),
         )
-        self._next_plan_id += 1
+        most = max(steps) if steps else 1
+        if most > 1:
+            plan.steps = most
+            plan.item_steps = () if min(steps) == most else steps
+        self._next_plan_id += most
         worker.to_free.clear()
         worker.to_register.clear()
         worker.to_evict.clear()
@@ -865,7 +911,27 @@ class SchedulerPolicy:
             flight.ends = [0] * len(batch.fed_states) + [start + count for start, count in zip(batch.starts,
                                                                                               batch.counts)]
         worker.in_flight.append(flight)
+        if most > 1:
+            self._later_steps(worker, flight, steps, most)
         return plan
+
+    def _later_steps(self, worker: WorkerState, flight: PlanInFlight, steps: list[int], most: int) -> None:
+        """A plan's steps after its first, in flight each as its own PlanInFlight (each is answered
+        by a result of its own): the items that run it, their output indexes one more each step."""
+        every = min(steps) == most
+        states, handles, output_indexes = flight.states, flight.handles, flight.output_indexes
+        for step in range(1, most):
+            if every:
+                step_states, step_handles, request_ids = states, handles, None
+                step_outputs = [output_index + step for output_index in output_indexes]
+            else:
+                kept = [position for position, count in enumerate(steps) if count > step]
+                step_states, step_handles = [states[position] for position in kept], [handles[position] for position in kept]
+                step_outputs = [output_indexes[position] + step for position in kept]
+                request_ids = tuple([state.request_id for state in step_states])
+            worker.in_flight.append(PlanInFlight(flight.plan, flight.started_at, (), 0, len(step_states),
+                                                 states=step_states, output_indexes=step_outputs,
+                                                 handles=step_handles, step=step, step_request_ids=request_ids))
 
     def workers_write_entries(self, sampling: SamplingParams) -> bool:
         """Whether the workers write this request's token entries (those of tokens that end
@@ -998,7 +1064,7 @@ class SchedulerPolicy:
 def _result_columns(result: PlanResult, flight: PlanInFlight) -> ResultColumns:
     """A result by request id (tests and tools) as the wire's columns: each request named by the
     handle the plan it answers gave it (a token or an error of a request not in the plan: none)."""
-    handle_of = dict(zip(flight.plan.item_ids, flight.handles))
+    handle_of = dict(zip(flight.request_ids, flight.handles))
     tokens = [token for token in result.tokens if token.request_id in handle_of]
     return ResultColumns(
         scheduler_epoch=result.scheduler_epoch, plan_id=result.plan_id, worker_id=result.worker_id,

@@ -112,6 +112,20 @@ class PlanInFlight:
     # Its requests that left the worker since it was sent (finished, cancelled, preempted, moved):
     # nothing of their items is applied (a request back on the worker meanwhile is in later plans).
     left: set[RequestState] = field(default_factory=set)
+    # A plan of several steps (Settings.scheduler_steps) is in flight as one of these per step, each
+    # answered by a result of its own: this one's step (0: the plan as sent), and the request ids
+    # of the items that run it where they are fewer than the plan's (None: the plan's item_ids).
+    step: int = 0
+    step_request_ids: tuple[str, ...] | None = None
+
+    @property
+    def plan_id(self) -> int:
+        """The plan id its result answers (a plan's later steps answer the ids after the plan's)."""
+        return self.plan.plan_id + self.step
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return self.plan.item_ids if self.step_request_ids is None else self.step_request_ids
 
     def holds(self, state: RequestState) -> bool:
         """The plan has an item of this request."""
@@ -138,6 +152,11 @@ class WorkerState:
     # A worker group of several pipeline stages runs that many plans at once: each of different
     # requests (a request's next token needs its last), about 1/stages of them each (Orca fig. 8).
     stages: int = 1
+
+    @property
+    def plans_in_flight(self) -> int:
+        """Plans sent and not answered (a plan of several steps is one, however many it has left)."""
+        return sum([not flight.step for flight in self.in_flight])
 
     @property
     def kv_blocks_free(self) -> int:

@@ -80,6 +80,7 @@ class SchedulerService:
         self.iterations = 0
         self.phase_cpu = dict.fromkeys(PHASES, 0.0)  # CPU seconds of each phase, since the start
         self.round_trips = 0
+        self.plans = 0  # sent since the start (a plan of several steps is one)
         self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
         self._begin(epoch or uuid.uuid4().hex)
 
@@ -97,6 +98,7 @@ class SchedulerService:
             max_batch_size=settings.max_batch_size,
             pipeline_depth=settings.pipeline_depth,
             answer_every=settings.answer_every,
+            scheduler_steps=settings.scheduler_steps,
             max_batch_tokens=settings.max_batch_tokens,
             prefix_caching=settings.prefix_caching,
             placement=settings.placement,
@@ -231,6 +233,7 @@ class SchedulerService:
             self.phase_cpu["encode"] += time.process_time() - planned
         if not plans:
             return False
+        self.plans += len(plans)
         started = time.process_time()
         stream = keys.plan_stream(worker_id)
         for plan in plans:
@@ -335,7 +338,7 @@ class SchedulerService:
             last_iteration_at=self.last_iteration_at, iterations=self.iterations,
             waiting=self.policy.waiting_count, running=self.policy.running_count,
             waiting_tokens=self.policy.waiting_tokens, cpu_seconds=time.process_time(),
-            phase_cpu_seconds=dict(self.phase_cpu), round_trips=self.round_trips,
+            phase_cpu_seconds=dict(self.phase_cpu), round_trips=self.round_trips, plans=self.plans,
             prefix_cache_queried_tokens=self.policy.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.policy.prefix_cache_hit_tokens,
             kv_blocks=self.policy.kv_blocks_by_worker(),

@@ -302,34 +302,33 @@ class Worker:
         plan the loop then checks whether to drain or leave); each result is handed to the loop to
         publish, in order. A plan that says "answer with the next" has its result held while the
         next plan runs, and written with that one's (of the same scheduler epoch); never longer than
-        this runs: a held result with no plan after it here goes out as this returns."""
+        this runs: a held result with no plan after it here goes out as this returns. A plan of
+        several steps runs them all here, one after the other (PlanReader.next_step), its results
+        held for the last one's."""
         held: list[Answer] = []
         try:
             while True:
                 entry_id, fields = self._ready.popleft()
-                ran = self._run_plan(fields, entry_id)
-                if ran is not None:
-                    answer, answer_with_next = ran
+                decoded = self._decode(fields, entry_id)
+                while decoded is not None:
+                    answer = self._run_plan(decoded, entry_id)
                     if held and held[-1].plan.scheduler_epoch != answer.plan.scheduler_epoch:
                         loop.call_soon_threadsafe(self._queue_publish, held, stream)
                         held = []
                     held.append(answer)
-                    if not answer_with_next:
+                    if not decoded.answer_with_next:
                         loop.call_soon_threadsafe(self._queue_publish, held, stream)
                         held = []
+                    decoded = self.reader.next_step(decoded, self.engine.kv_length)
                 if not self._ready or stop_event.is_set():
                     return
         finally:
             if held:  # no next plan here (yet), or it was not one to run, or a step raised
                 loop.call_soon_threadsafe(self._queue_publish, held, stream)
 
-    def _run_plan(self, fields: dict, entry_id: bytes) -> tuple[Answer, bool] | None:
-        """One plan: its answer (its result on the wire, its token entries, the plan) and whether it
-        may wait for the next plan's (None for a plan not to run). Raises EngineBroken when the
-        engine can no longer compute."""
-        decoded = self._decode(fields, entry_id)
-        if decoded is None:
-            return None
+    def _run_plan(self, decoded: DecodedPlan, entry_id: bytes) -> Answer:
+        """One plan (or step of one): its answer (its result on the wire, its token entries, the
+        plan). Raises EngineBroken when the engine can no longer compute."""
         plan = decoded.plan
         try:
             result, writes, outcome = self.execute(decoded)
@@ -348,7 +347,7 @@ class Worker:
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
             result, writes = self._encode(decoded, outcome)
         self._log_refusals(decoded, outcome)
-        return Answer(result, writes, plan, entry_id), decoded.answer_with_next
+        return Answer(result, writes, plan, entry_id)
 
     def _queue_publish(self, answers: list[Answer], stream: str) -> None:
         """Publish results after the ones before them (results go out in order)."""
@@ -368,8 +367,14 @@ class Worker:
         """A worker group of pipeline stages: start one plan (its result is published when its
         tokens are back). Raises EngineBroken when the engine can no longer compute."""
         decoded = self._decode(fields, entry_id)
-        if decoded is not None:
+        while decoded is not None:
             await self._launch_staged(decoded, stream, entry_id)
+            if decoded.steps == 1:
+                return
+            # (The scheduler sends several steps to no worker of stages; were it to, each step
+            # feeds the tokens of the one before: they are back first.)
+            await self._publishing
+            decoded = self.reader.next_step(decoded, self.engine.kv_length)
 
     async def _launch_staged(self, decoded: DecodedPlan, stream: str, entry_id: bytes) -> None:
         """Pipeline stages: start the plan's step and return (the next plan's first stage may run
