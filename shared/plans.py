@@ -20,8 +20,8 @@ epoch or a plan that says free_all. A plan naming a handle the worker does not h
 `unknown_request` error for that item. `PlanCodec` makes the same plans from BatchPlans, by
 request id, for tests and tools.
 
-A plan of decodes alone may say it runs several steps (Settings.scheduler_steps, vLLM v0's
-multi-step scheduling): the worker runs it, then runs its items again as decodes that feed the
+A plan whose every item samples (decodes, prompts' last chunks) may say it runs several steps
+(Settings.scheduler_steps, vLLM v0's multi-step scheduling): the worker runs it, then runs its items again as decodes that feed the
 token each sampled, output index and plan id one more each step, for as many steps as the plan
 says (each item: `item_steps`, where some run fewer: a request that reaches its max_tokens), and
 answers each step with a result of its own, all in one write. So the scheduler plans, encodes and

@@ -318,6 +318,23 @@ async def test_a_worker_runs_the_plans_read_ahead_back_to_back_and_answers_them_
     assert len(hops) < steps / 2, f"the step thread went back to the loop after most plans: {hops}"
 
 
+def emulated_worker(redis_url: str, worker_id: str):
+    """A Worker over an emulated engine whose steps take no time, and the plan ids of each result
+    write it makes (its _publish watched)."""
+    from services.worker.service import Worker
+    from shared.config import Settings
+
+    settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
+                        drain_seconds=0.5)
+    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 8, 49152, 2048, sleep=lambda seconds: None)
+    worker = Worker(settings, engine, worker_id)
+    published: list[list[int]] = []
+    publish = worker._publish
+    worker._publish = lambda answers, *args, **kwargs: (published.append([a.plan.plan_id for a in answers]),
+                                                        publish(answers, *args, **kwargs))[1]
+    return worker, engine, published
+
+
 @pytest.mark.timeout(60)
 async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits_for_a_plan_not_there(
         redis_client, redis_url):
@@ -326,20 +343,11 @@ async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits
     token entries first); one whose next plan has not come is answered at once, alone."""
     import asyncio
 
-    from services.worker.service import Worker
     from shared import keys
-    from shared.config import Settings
     from shared.messages import BatchPlan, NewRequest
     from shared.plans import PlanCodec, read_result
 
-    settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
-                        drain_seconds=0.5)
-    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 8, 49152, 2048, sleep=lambda seconds: None)
-    worker = Worker(settings, engine, "w-together")
-    published = []
-    publish = worker._publish
-    worker._publish = lambda answers, *args, **kwargs: (published.append([a.plan.plan_id for a in answers]),
-                                                        publish(answers, *args, **kwargs))[1]
+    worker, engine, published = emulated_worker(redis_url, "w-together")
     request_id = "0" * 31 + "1"
     run_id = (await redis_client.info("server"))["run_id"]
     await redis_client.set(worker.keys.incarnation, f"e1 {run_id}")  # the pool loaded under e1: entries land
@@ -386,6 +394,7 @@ async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits
     assert [entry_id for entry_id, _ in entries] == [f"0-{index + 1}".encode() for index in range(steps - 1)]
 
 
+@pytest.mark.timeout(60)
 async def test_a_plan_of_several_steps_runs_them_all_and_answers_each_in_one_write(redis_client, redis_url):
     """Settings.scheduler_steps: a plan of decodes that says it runs N steps is run N times over,
     each step feeding the token the step before sampled (output index and plan id one more each
@@ -393,20 +402,11 @@ async def test_a_plan_of_several_steps_runs_them_all_and_answers_each_in_one_wri
     token entries; an item that runs fewer steps (its request's max_tokens) stops there."""
     import asyncio
 
-    from services.worker.service import Worker
     from shared import keys
-    from shared.config import Settings
     from shared.messages import BatchPlan, NewRequest
     from shared.plans import PlanCodec, read_result
 
-    settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
-                        drain_seconds=0.5)
-    engine = EmulatedEngine(load_profile("h100-llama3-8b"), 64, 16, 8, 49152, 2048, sleep=lambda seconds: None)
-    worker = Worker(settings, engine, "w-steps")
-    published = []
-    publish = worker._publish
-    worker._publish = lambda answers, *args, **kwargs: (published.append([a.plan.plan_id for a in answers]),
-                                                        publish(answers, *args, **kwargs))[1]
+    worker, engine, published = emulated_worker(redis_url, "w-steps")
     long_id, short_id = "0" * 31 + "1", "0" * 31 + "2"
     run_id = (await redis_client.info("server"))["run_id"]
     await redis_client.set(worker.keys.incarnation, f"e1 {run_id}")  # the pool loaded under e1: entries land

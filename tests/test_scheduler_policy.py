@@ -317,14 +317,19 @@ def test_no_admission_without_kv_room():
     assert plan.free_request_ids == ("big",)
 
 
-def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
-    policy = make_policy()
+def old_and_young_in_a_full_cache(**options):
+    """A worker of 4 blocks of 4 tokens and two requests of 7-token prompts (2 blocks each)."""
+    policy = make_policy(**options)
     policy.worker_up("w1", kv_blocks_total=4, kv_block_size=4)
     old = record("old", prompt_len=7, arrival=0, max_tokens=6)
     young = record("young", prompt_len=7, arrival=1, max_tokens=3)
     policy.add_request(old)
     policy.add_request(young)
-    worker = FakeWorker({"old": old.prompt_token_ids, "young": young.prompt_token_ids})
+    return policy, young, FakeWorker({"old": old.prompt_token_ids, "young": young.prompt_token_ids})
+
+
+def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
+    policy, young, worker = old_and_young_in_a_full_cache()
     plan = policy.next_plan("w1")  # 2 blocks each: the cache is full
     assert len(plan.items) == 2
     policy.on_result(worker.run(plan))
@@ -350,13 +355,7 @@ def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
 def test_a_plan_runs_several_steps_only_within_free_kv_blocks_and_preempts_nobody_for_them():
     """scheduler_steps: a plan's later steps need KV blocks of their own; when they are not free the
     plan runs one step (the preemption a step needs happens as without steps, never one for more)."""
-    policy = make_policy(scheduler_steps=4)
-    policy.worker_up("w1", kv_blocks_total=4, kv_block_size=4)
-    old = record("old", prompt_len=7, arrival=0, max_tokens=6)
-    young = record("young", prompt_len=7, arrival=1, max_tokens=3)
-    policy.add_request(old)
-    policy.add_request(young)
-    worker = FakeWorker({"old": old.prompt_token_ids, "young": young.prompt_token_ids})
+    policy, _, worker = old_and_young_in_a_full_cache(scheduler_steps=4)
     plans = []
     for _ in range(2):  # 2 blocks each (the cache full), 3 each for 3 more steps: one step each time
         plans.append(policy.next_plan("w1"))
