@@ -8,6 +8,7 @@ import pytest
 
 from services.scheduler.policy import SchedulerPolicy
 from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
+from shared.plans import DecodedPlan, PlanReader
 
 EPOCH = "epoch-test"
 STOP_TOKENS = {0, 2}
@@ -88,19 +89,13 @@ class FakeWorker:
 
     def run_all(self, plan) -> list[PlanResult]:
         """A plan and, for a plan of several steps (scheduler_steps), each later step as the worker
-        runs it (shared/plans.py PlanReader.next_step): its items that run that step, as decodes
-        feeding the token each sampled, at the next output index; a result for every step."""
+        derives it (PlanReader.next_step: the items that run it, as decodes feeding the token each
+        sampled, at the next output index); a result for every step."""
         results = [self.run(plan)]
         self.steps_run.append(plan.steps)
-        items = list(plan.items)  # (wire order: item_steps' order)
-        counts = list(plan.item_steps) or [plan.steps] * len(items)
-        for step in range(1, plan.steps):
-            kept = [(item, count) for item, count in zip(items, counts) if count > step]
-            items = [item._replace(token_ids=(), start_position=len(self.kv[item.request_id]),
-                                   output_index=item.output_index + 1, feeds_sampled=True) for item, _ in kept]
-            counts = [count for _, count in kept]
-            results.append(self.run(BatchPlan(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id + step,
-                                              worker_id=plan.worker_id, items=tuple(items))))
+        step = DecodedPlan(plan, [0] * len(plan.items), [], steps=plan.steps, item_steps=list(plan.item_steps) or None)
+        while (step := PlanReader.next_step(step, lambda request_id: len(self.kv[request_id]))) is not None:
+            results.append(self.run(step.plan))
         return results
 
 

@@ -912,16 +912,18 @@ class SchedulerPolicy:
                                                                                               batch.counts)]
         worker.in_flight.append(flight)
         if most > 1:
-            self._later_steps(worker, flight, steps, most)
+            self._later_steps(worker, flight)
         return plan
 
-    def _later_steps(self, worker: WorkerState, flight: PlanInFlight, steps: list[int], most: int) -> None:
+    @staticmethod
+    def _later_steps(worker: WorkerState, flight: PlanInFlight) -> None:
         """A plan's steps after its first, in flight each as its own PlanInFlight (each is answered
         by a result of its own): the items that run it, their output indexes one more each step."""
-        every = min(steps) == most
+        plan = flight.plan
+        steps = plan.item_steps  # (empty: every item runs all the plan's steps)
         states, handles, output_indexes = flight.states, flight.handles, flight.output_indexes
-        for step in range(1, most):
-            if every:
+        for step in range(1, plan.steps):
+            if not steps:
                 step_states, step_handles, request_ids = states, handles, None
                 step_outputs = [output_index + step for output_index in output_indexes]
             else:
