@@ -64,7 +64,7 @@ from services.worker.token_writer import TokenWriter  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
-from shared.plans import PlanReader, encode_plan, read_result, read_result_columns  # noqa: E402
+from shared.plans import PlanReader, StepAnswers, encode_plan, read_result, read_result_columns  # noqa: E402
 from shared.redis_connection import connect  # noqa: E402
 from shared.redis_exchange import encoded  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
@@ -125,24 +125,26 @@ class Harness:
             self.outputs.start(state.record, [], 0)
             self.submitted += 1
 
-    def answer(self, worker_id: str, data: bytes) -> list[bytes]:
+    def answer(self, worker_id: str, data: bytes) -> bytes:
         """The worker's side (not timed): decode the plan as a worker would and sample fake tokens;
-        a result for each of its steps (--steps)."""
+        one answer for all its steps (--steps), as the worker's."""
         reader = self.readers[worker_id]
         started = time.process_time()
         kv_length = lambda request_id: self.kv_lengths.get(request_id, 0)  # noqa: E731
         decoded = reader.decode(data, kv_length, worker_id)
+        answers = StepAnswers(reader)
         self.worker_seconds += time.process_time() - started
-        answers = []
         while decoded is not None:
-            answers.append(self._answer_step(worker_id, decoded))
+            self._answer_step(worker_id, decoded, answers)
             started = time.process_time()
             decoded = reader.next_step(decoded, kv_length)
             self.worker_seconds += time.process_time() - started
-        return answers
+        started = time.process_time()
+        result = answers.packed(4096, 1000)
+        self.worker_seconds += time.process_time() - started
+        return msgpack.packb({"m": result})
 
-    def _answer_step(self, worker_id: str, decoded) -> bytes:
-        reader = self.readers[worker_id]
+    def _answer_step(self, worker_id: str, decoded, answers: StepAnswers) -> None:
         for request_id in decoded.plan.free_request_ids:
             self.kv_lengths.pop(request_id, None)
         tokens, logprobs = {}, {}
@@ -157,9 +159,8 @@ class Harness:
         writes, unwritten = writer.after_step(decoded.plan, tokens)
         if writes:
             writer.entries(writes)  # (written by the worker: its cost, not the scheduler's)
-        result = reader.encode_result(decoded, tokens, logprobs, [], 4096, 1000, 0.003, unwritten=unwritten)
+        answers.add(decoded, tokens, logprobs, [], 0.003, unwritten)
         self.worker_seconds += time.process_time() - started
-        return msgpack.packb({"m": result})
 
     def run(self, iterations: int) -> None:
         clock = time.process_time
@@ -182,16 +183,19 @@ class Harness:
                 self.pack_writes()
                 if not self.in_flight[worker_id]:
                     continue
-                for entry in self.in_flight[worker_id].popleft():  # (a plan's steps: read in one round trip)
-                    answer = msgpack.unpackb(entry)["m"]
+                answer = msgpack.unpackb(self.in_flight[worker_id].popleft())["m"]  # (as XREAD's fields)
+                started = clock()
+                _, raw = read_result(answer)
+                result = read_result_columns(raw)
+                decoded = clock()
+                self.seconds["decode"] += decoded - started
+                answers = self.policy.answers_to_apply(result)  # (as the service: whole, or a step at a time)
+                self.seconds["apply"] += clock() - decoded
+                for result in answers:
                     started = clock()
-                    _, raw = read_result(answer)
-                    result = read_result_columns(raw)
-                    decoded = clock()
-                    self.seconds["decode"] += decoded - started
                     outcomes = self.policy.on_result(result)
                     applied = clock()
-                    self.seconds["apply"] += applied - decoded
+                    self.seconds["apply"] += applied - started
                     self.outputs.publish_tokens(outcomes, worker_id)
                     self.outputs.publish_finished_without_token()
                     for record in self.policy.take_iteration_records():

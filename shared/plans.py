@@ -21,11 +21,12 @@ epoch or a plan that says free_all. A plan naming a handle the worker does not h
 request id, for tests and tools.
 
 A plan whose every item samples (decodes, prompts' last chunks) may say it runs several steps
-(Settings.scheduler_steps, vLLM v0's multi-step scheduling): the worker runs it, then runs its items again as decodes that feed the
-token each sampled, output index and plan id one more each step, for as many steps as the plan
-says (each item: `item_steps`, where some run fewer: a request that reaches its max_tokens), and
-answers each step with a result of its own, all in one write. So the scheduler plans, encodes and
-reads once for N worker-iterations.
+(Settings.scheduler_steps, vLLM v0's multi-step scheduling): the worker runs it, then runs its
+items again as decodes that feed the token each sampled, output index and plan id one more each
+step, for as many steps as the plan says (each item: `item_steps`, where some run fewer: a request
+that reaches its max_tokens), and answers all the steps with one result (StepAnswers): each item's
+tokens one after another, with their count. So the scheduler plans, encodes, reads and applies
+once for N worker-iterations.
 
 Prefix caching adds three fields, all empty when it is off: blocks to register (handles, block
 indexes, hashes), hashes of blocks to evict, and on a new request the hashes of the cached blocks
@@ -33,7 +34,7 @@ it starts with (hashes are 16 bytes each, concatenated).
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
@@ -202,7 +203,14 @@ def encode_plan(plan: ColumnPlan) -> bytes:
 @dataclass(eq=False, slots=True)
 class ResultColumns:
     """A worker's answer as the scheduler reads it: its tokens by handle, as columns (each handle
-    read as the plan it answers named it: the scheduler's PlanInFlight knows how)."""
+    read as the plan it answers named it: the scheduler's PlanInFlight knows how).
+
+    The answer to a plan of several steps (steps > 1) is one result for all of them: each handle
+    once, with `counts` tokens (its steps answered, from the plan's first), `token_ids` item-major
+    (a handle's tokens one after another), `output_indexes` each handle's first; an item in error
+    answered the steps before its error (its count: the step the error came in, 0 when it has
+    no token). logprobs and unwritten_tokens name positions among token_ids. split_steps reads it
+    as one result per step."""
 
     scheduler_epoch: str
     plan_id: int
@@ -215,11 +223,15 @@ class ResultColumns:
     kv_blocks_total: int
     kv_blocks_free: int
     kv_blocks_cached: int
-    step_seconds: float
+    step_seconds: float  # (several steps: all of them)
     # Whether it wrote its tokens' entries (PlanResult.entries_written), and the handles of the tokens
-    # it was to write and did not.
+    # it was to write and did not (several steps: unwritten_tokens).
     entries_written: bool
     unwritten: list[int]
+    steps: int = 1
+    counts: list[int] = field(default_factory=list)  # (several steps) each handle's tokens
+    steps_seconds: list[float] = field(default_factory=list)  # (several steps) each step's seconds
+    unwritten_tokens: list[int] = field(default_factory=list)  # (several steps) positions among token_ids
 
 
 def read_result_columns(raw: dict) -> ResultColumns:
@@ -228,7 +240,24 @@ def read_result_columns(raw: dict) -> ResultColumns:
     handles = _int_list(raw, kind, "h", _U16)  # (a uint16 is a handle: the type keeps the range)
     token_ids = _int_list(raw, kind, "t", _I32)
     output_indexes = _int_list(raw, kind, "o", _I32)
-    if not len(handles) == len(token_ids) == len(output_indexes):
+    steps = _field(raw, kind, "k", int, 1)
+    if not 1 <= steps <= MAX_STEPS:
+        raise WireError(f"{kind}: steps {steps} outside [1, {MAX_STEPS}]")
+    counts, steps_seconds, unwritten_tokens = [], [], []
+    if steps > 1:
+        counts = _int_list(raw, kind, "c", np.dtype(np.uint8), 1, steps + 1)
+        if len(counts) != len(handles) or sum(counts) != len(token_ids):
+            raise WireError(f"{kind}: {len(counts)} counts of {sum(counts)} tokens for {len(handles)} handles, "
+                            f"{len(token_ids)} tokens")
+        steps_seconds = _field(raw, kind, "ss", list)
+        if len(steps_seconds) != steps or not all(isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                  and 0 <= value < 1e9 for value in steps_seconds):
+            raise WireError(f"{kind}: step times malformed for {steps} steps")
+        steps_seconds = [float(value) for value in steps_seconds]
+        unwritten_tokens = _int_list(raw, kind, "ep", _U16, 0, len(token_ids))
+    elif "c" in raw:
+        raise WireError(f"{kind}: token counts in the answer to one step")
+    if len(handles) != len(output_indexes) or steps == 1 and len(handles) != len(token_ids):
         raise WireError(f"{kind}: {len(handles)} handles, {len(token_ids)} tokens, {len(output_indexes)} indexes")
     errors = []
     for entry in _field(raw, kind, "x", list, []):
@@ -242,11 +271,46 @@ def read_result_columns(raw: dict) -> ResultColumns:
     return ResultColumns(
         scheduler_epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int),
         worker_id=_field(raw, kind, "w", str), handles=handles, token_ids=token_ids, output_indexes=output_indexes,
-        logprobs=_logprobs(raw, kind, len(handles)) if "l" in raw else {}, errors=tuple(errors),
+        logprobs=_logprobs(raw, kind, len(token_ids)) if "l" in raw else {}, errors=tuple(errors),
         kv_blocks_total=_field(raw, kind, "kt", int), kv_blocks_free=_field(raw, kind, "kf", int),
         kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds),
         entries_written=_field(raw, kind, "ew", bool, False),
-        unwritten=_int_list(raw, kind, "eu", _U16))
+        unwritten=_int_list(raw, kind, "eu", _U16), steps=steps, counts=counts, steps_seconds=steps_seconds,
+        unwritten_tokens=unwritten_tokens)
+
+
+def split_steps(result: ResultColumns) -> list[ResultColumns]:
+    """The answer to a plan of several steps as one answer per step, each as the answer to a plan
+    of one step would be (plan ids one more each step): step j's tokens are each handle's j-th, its
+    errors those of the handles that answered j steps."""
+    if result.steps == 1:
+        return [result]
+    begins = np.cumsum([0, *result.counts]).tolist()
+    unwritten, logprobs = set(result.unwritten_tokens), result.logprobs
+    errors_at: dict[int, list] = {}
+    count_of = dict(zip(result.handles, result.counts))
+    for error in result.errors:
+        errors_at.setdefault(count_of.get(error[0], 0), []).append(error)
+    answers = []
+    for step, seconds in enumerate(result.steps_seconds):
+        handles, token_ids, output_indexes, step_logprobs, step_unwritten = [], [], [], {}, []
+        for handle, count, begin, first in zip(result.handles, result.counts, begins, result.output_indexes):
+            if count > step:
+                position = begin + step
+                if position in logprobs:
+                    step_logprobs[len(handles)] = logprobs[position]
+                if position in unwritten:
+                    step_unwritten.append(handle)
+                handles.append(handle)
+                token_ids.append(result.token_ids[position])
+                output_indexes.append(first + step)
+        answers.append(ResultColumns(
+            scheduler_epoch=result.scheduler_epoch, plan_id=result.plan_id + step, worker_id=result.worker_id,
+            handles=handles, token_ids=token_ids, output_indexes=output_indexes, logprobs=step_logprobs,
+            errors=tuple(errors_at.get(step, ())), kv_blocks_total=result.kv_blocks_total,
+            kv_blocks_free=result.kv_blocks_free, kv_blocks_cached=result.kv_blocks_cached, step_seconds=seconds,
+            entries_written=result.entries_written, unwritten=step_unwritten))
+    return answers
 
 
 class PlanCodec:
@@ -311,11 +375,14 @@ class PlanCodec:
             tokens=[token for item in others for token in item.token_ids], answer_with_next=answer_with_next,
             steps=steps, item_steps=item_steps))
 
-    def decode_result(self, raw: dict) -> PlanResult:
-        """A worker's answer (as read_result gave it), its handles read back as the plan it answers
+    def decode_results(self, raw: dict) -> list[PlanResult]:
+        """A worker's answer (as read_result gave it), one PlanResult per step it answers (the
+        answer to a plan of several steps: split_steps), its handles read back as the plan it answers
         named them (an answer to no plan of this codec's, an older epoch's say, comes back with no
         token and no error)."""
-        columns = read_result_columns(raw)
+        return [self._decode_step(columns) for columns in split_steps(read_result_columns(raw))]
+
+    def _decode_step(self, columns: ResultColumns) -> PlanResult:
         sent = self._sent.pop(columns.plan_id, {}) if columns.scheduler_epoch == self.epoch else {}
         tokens = []
         for position, (handle, token_id, output_index) in enumerate(zip(
@@ -332,6 +399,13 @@ class PlanCodec:
             kv_blocks_free=columns.kv_blocks_free, kv_blocks_cached=columns.kv_blocks_cached,
             step_seconds=columns.step_seconds, entries_written=columns.entries_written,
             unwritten=frozenset(sent[handle] for handle in columns.unwritten if handle in sent))
+
+    def decode_result(self, raw: dict) -> PlanResult:
+        """The answer to a plan of one step (decode_results: of any)."""
+        results = self.decode_results(raw)
+        if len(results) != 1:
+            raise ValueError(f"an answer to {len(results)} steps: decode_results reads it")
+        return results[0]
 
 
 def read_result(data: bytes) -> tuple[str, dict]:
@@ -378,11 +452,10 @@ class DecodedPlan:
     unknown: list[tuple[int, str]]  # (handle, message) of items naming a handle this worker does not hold
     answer_with_next: bool = False  # its result may wait for the next plan's, to go out with it
     # A plan of several steps (ColumnPlan.steps): which step this is (0: the plan as sent), how many
-    # the plan runs, each item's (None: all `steps`) and whether the last step's result may wait.
+    # the plan runs and each item's (None: all `steps`).
     step: int = 0
     steps: int = 1
     item_steps: list[int] | None = None
-    last_answer_with_next: bool = False
 
 
 class PlanReader:
@@ -497,16 +570,15 @@ class PlanReader:
         plan = BatchPlan(scheduler_epoch=epoch, plan_id=plan_id, worker_id=_field(raw, kind, "w", str),
                          new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all,
                          register_blocks=tuple(registered), evict_blocks=_hashes(raw.get("ev", b""), kind, "ev"))
-        answer_with_next = _field(raw, kind, "g", bool, False)
-        return DecodedPlan(plan, item_handles, unknown, answer_with_next or steps > 1, steps=steps,
-                           item_steps=item_steps, last_answer_with_next=answer_with_next)
+        return DecodedPlan(plan, item_handles, unknown, _field(raw, kind, "g", bool, False), steps=steps,
+                           item_steps=item_steps)
 
     @staticmethod
     def next_step(decoded: DecodedPlan, kv_length) -> DecodedPlan | None:
         """A plan of several steps: its next step, once the step before has run (None after its last):
         the items that run it, each a decode feeding the token it sampled in the step before
-        (kv_length as for decode). Its result answers the next plan id; its unknown handles were
-        answered by the first step's."""
+        (kv_length as for decode), under the next plan id; its unknown handles were answered with
+        the first step. (The plan's answer holds every step's: StepAnswers.)"""
         step = decoded.step + 1
         if step >= decoded.steps:
             return None
@@ -518,42 +590,101 @@ class PlanReader:
         return DecodedPlan(
             BatchPlan(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id + 1, worker_id=plan.worker_id,
                       items=items),
-            [handle for _, handle in kept], [],
-            decoded.last_answer_with_next if step == decoded.steps - 1 else True, step=step, steps=decoded.steps,
-            item_steps=None if item_steps is None else [count for count in item_steps if count > step],
-            last_answer_with_next=decoded.last_answer_with_next)
+            [handle for _, handle in kept], [], decoded.answer_with_next, step=step, steps=decoded.steps,
+            item_steps=None if item_steps is None else [count for count in item_steps if count > step])
 
     def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
                       errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,
                       step_seconds: float, kv_blocks_cached: int = 0,
                       unwritten: Iterable[str] | None = None) -> bytes:
-        """tokens: request id -> token sampled; logprobs: request id -> (logprob, top); errors:
-        (request id, code, message) of the items that did not run; unwritten: None when this worker
-        wrote no token entry, else the requests whose token entries it was to write and did not."""
-        handles, token_ids, output_indices, logprob_entries, unwritten_handles = [], [], [], [], []
+        """The answer to a plan of one step (StepAnswers: of any), as StepAnswers.add takes it."""
+        answers = StepAnswers(self)
+        answers.add(decoded, tokens, logprobs, errors, step_seconds, unwritten)
+        return answers.packed(kv_blocks_total, kv_blocks_free, kv_blocks_cached)
+
+
+class StepAnswers:
+    """A plan's answer, gathered as its steps run (one, or several: PlanReader.next_step) and packed
+    as one result (ResultColumns says how one of several steps reads): each item's tokens in order
+    from the first step, until a step it has no token in (an error)."""
+
+    def __init__(self, reader: PlanReader) -> None:
+        self.reader = reader
+        self._first: DecodedPlan | None = None
+        self._slot_of: dict[int, int] = {}  # handle -> its slot: its place among the answer's items
+        self._open: list[bool] = []  # each slot: answered every step so far
+        self.handles: list[int] = []
+        self.first_indexes: list[int] = []
+        self.tokens: list[list[int]] = []  # each slot's
+        self.logprobs: list[tuple[int, int, float, list]] = []  # (slot, its token's, logprob, top)
+        self.unwritten: list[tuple[int, int]] = []  # (slot, its token's)
+        self.entries_written = False
+        self.errors: list[list] = []
+        self._erred: set[int] = set()  # handles answered with an error
+        self.seconds: list[float] = []
+
+    def add(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
+            errors: list[tuple[str, str, str]], step_seconds: float, unwritten: Iterable[str] | None = None) -> None:
+        """A step's outcome: tokens: request id -> token sampled; logprobs: request id -> (logprob,
+        top); errors: (request id, code, message) of the items that did not run; unwritten: None when
+        this worker wrote no token entry, else the requests whose token entries it was to write and
+        did not."""
+        first = self._first is None
+        if first:
+            self._first = decoded
+        slot_of, is_open = self._slot_of, self._open
         for (request_id, _, _, _, output_index, _), handle in zip(decoded.plan.items, decoded.item_handles):
             token = tokens.get(request_id)
-            if token is None:
+            slot = slot_of.get(handle)
+            if token is None or not (first or slot is not None and is_open[slot]):
+                if slot is not None:
+                    is_open[slot] = False  # (its tokens stop at the step before)
                 continue
+            if slot is None:
+                slot = slot_of[handle] = len(self.handles)
+                self.handles.append(handle)
+                self.first_indexes.append(output_index)
+                self.tokens.append([])
+                is_open.append(True)
             if unwritten and request_id in unwritten:
-                unwritten_handles.append(handle)  # (as the plan named it: a later plan may have freed it)
+                self.unwritten.append((slot, len(self.tokens[slot])))
             if logprobs and request_id in logprobs:
                 logprob, top = logprobs[request_id]
-                logprob_entries.append([len(handles), logprob, [list(pair) for pair in top]])
-            handles.append(handle)
-            token_ids.append(token)
-            output_indices.append(output_index)
-        error_entries = [[self._handle_of.get(request_id, MAX_HANDLE), code, message]
-                         for request_id, code, message in errors]
-        error_entries += [[handle, "unknown_request", message] for handle, message in decoded.unknown]
-        message = {"f": PLAN_FORMAT, "e": decoded.plan.scheduler_epoch, "p": decoded.plan.plan_id,
-                   "w": decoded.plan.worker_id, "h": _array(handles, _U16), "t": _array(token_ids, _I32),
-                   "o": _array(output_indices, _I32), "x": error_entries, "kt": kv_blocks_total, "kf": kv_blocks_free,
-                   "kc": kv_blocks_cached, "s": step_seconds}
-        if logprob_entries:
-            message["l"] = logprob_entries
-        if unwritten is not None:
+                self.logprobs.append((slot, len(self.tokens[slot]), logprob, [list(pair) for pair in top]))
+            self.tokens[slot].append(token)
+        handle_of = self.reader._handle_of
+        for request_id, code, message in errors:
+            handle = handle_of.get(request_id, MAX_HANDLE)
+            if handle not in self._erred:  # (the first error of an item: its later steps had nothing to feed)
+                self._erred.add(handle)
+                self.errors.append([handle, code, message])
+        if first:
+            self.errors += [[handle, "unknown_request", message] for handle, message in decoded.unknown]
+        self.entries_written = self.entries_written or unwritten is not None
+        self.seconds.append(step_seconds)
+
+    @property
+    def plan(self) -> BatchPlan:
+        """The plan answered (as its first step runs it)."""
+        return self._first.plan
+
+    def packed(self, kv_blocks_total: int, kv_blocks_free: int, kv_blocks_cached: int = 0) -> bytes:
+        """The result on the wire (after the plan's last step: the KV figures are its)."""
+        plan = self.plan
+        message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
+                   "h": _array(self.handles, _U16), "o": _array(self.first_indexes, _I32), "x": self.errors,
+                   "kt": kv_blocks_total, "kf": kv_blocks_free, "kc": kv_blocks_cached, "s": sum(self.seconds)}
+        counts = [len(tokens) for tokens in self.tokens]
+        begins = np.cumsum([0, *counts]).tolist()  # each slot's first token's position
+        message["t"] = _array([token for tokens in self.tokens for token in tokens], _I32)
+        if len(self.seconds) > 1:
+            message |= {"k": len(self.seconds), "ss": self.seconds, "c": _array(counts, np.uint8)}
+        if self.logprobs:
+            message["l"] = [[begins[slot] + at, logprob, top] for slot, at, logprob, top in self.logprobs]
+        if self.entries_written:
             message["ew"] = True
-            if unwritten_handles:
-                message["eu"] = _array(unwritten_handles, _U16)
+            if self.unwritten and len(self.seconds) == 1:
+                message["eu"] = _array([self.handles[slot] for slot, _ in self.unwritten], _U16)
+            elif self.unwritten:
+                message["ep"] = _array([begins[slot] + at for slot, at in self.unwritten], _U16)
         return msgpack.packb(message, use_bin_type=True)

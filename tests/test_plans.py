@@ -232,7 +232,7 @@ def test_a_plan_of_several_steps_round_trips_and_its_steps_follow_as_fed_decodes
         StepItem("cmpl-c", (), 30, True, 2, True)))
     kv = {"cmpl-a": 10, "cmpl-b": 20, "cmpl-c": 30}
     decoded = reader.decode(codec.encode(plan, steps=3, item_steps=[3, 1, 2]), kv.__getitem__, "w1")
-    assert (decoded.steps, decoded.answer_with_next, decoded.last_answer_with_next) == (3, True, False)
+    assert (decoded.steps, decoded.answer_with_next) == (3, False)
     assert decoded.plan.items == tuple(plan.items[index] for index in (0, 2, 1))  # wire order: fed decodes first
     assert decoded.item_steps == [3, 2, 1]
     seen = []
@@ -243,7 +243,7 @@ def test_a_plan_of_several_steps_round_trips_and_its_steps_follow_as_fed_decodes
         for item in decoded.plan.items:  # the step ran: one token more in each one's KV
             kv[item.request_id] += len(item.token_ids) or 1
         decoded = reader.next_step(decoded, kv.__getitem__)
-    assert seen[1:] == [(3, [("cmpl-a", 11, 5, True), ("cmpl-c", 31, 3, True)], True),
+    assert seen[1:] == [(3, [("cmpl-a", 11, 5, True), ("cmpl-c", 31, 3, True)], False),
                         (4, [("cmpl-a", 12, 6, True)], False)]
     # Plan ids 3 and 4 were the plan's steps: a plan sent with one of them is a copy
     assert reader.decode(codec.encode(BatchPlan(scheduler_epoch="e", plan_id=4, worker_id="w1")),
@@ -252,3 +252,66 @@ def test_a_plan_of_several_steps_round_trips_and_its_steps_follow_as_fed_decodes
                          samples=[False], outputs=[0], tokens=[1, 2], item_ids=("cmpl-a",), steps=2)
     with pytest.raises(WireError, match="samples no token"):
         reader.decode(encode_plan(refused), kv.__getitem__, "w1")
+
+
+def test_the_answer_to_a_plan_of_steps_reads_as_each_step_answered_alone():
+    """StepAnswers packs a plan's steps as one result (each item's tokens one after another); read
+    back step by step (split_steps, PlanCodec.decode_results) it gives exactly what each step's
+    answer alone would: tokens, output indexes, log-probabilities, errors (an item in error at its
+    second step keeps its first token), unwritten entries, step times, under plan ids one more
+    each step."""
+    from shared.plans import StepAnswers, read_result_columns, split_steps
+
+    def answered_plan():
+        codec, reader = PlanCodec(), PlanReader()
+        sampling = SamplingParams(seed=1)
+        joined = BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w1", new_requests=tuple(
+            NewRequest(request_id=f"cmpl-{name}", sampling=sampling) for name in "abcd"))
+        reader.decode(codec.encode(joined), lambda request_id: 0, "w1")
+        codec.decode_results(read_result(reader.encode_result(reader.decode(codec.encode(BatchPlan(
+            scheduler_epoch="e", plan_id=2, worker_id="w1")), lambda request_id: 0, "w1"), {}, {}, [], 9, 9, 0.0))[1])
+        plan = BatchPlan(scheduler_epoch="e", plan_id=3, worker_id="w1", items=tuple(
+            StepItem(f"cmpl-{name}", (), 10, True, 4, True) for name in "abcd"))
+        kv = dict.fromkeys([f"cmpl-{name}" for name in "abcd"], 10)
+        return codec, reader, reader.decode(codec.encode(plan, steps=3, item_steps=[3, 3, 2, 3]), kv.__getitem__,
+                                            "w1"), kv
+
+    # Each step's outcome: tokens, logprobs, errors, unwritten (b has an error at its second step;
+    # d none at its first: an error)
+    outcomes = [
+        ({"cmpl-a": 100, "cmpl-b": 200, "cmpl-c": 300}, {"cmpl-a": (-0.5, ((100, -0.5), (7, -2.0)))}, [
+            ("cmpl-d", "kv_cache_full", "no room")], {"cmpl-c"}),
+        ({"cmpl-a": 101, "cmpl-c": 301}, {"cmpl-c": (-1.5, ())}, [("cmpl-b", "bad_item", "broken")], set()),
+        ({"cmpl-a": 102, "cmpl-b": 202}, {}, [("cmpl-b", "bad_item", "again")], {"cmpl-a"}),
+    ]
+    codec, reader, decoded, kv = answered_plan()
+    answers, alone, seconds = StepAnswers(reader), [], [0.25, 0.5, 0.125]
+    codec_alone, reader_alone, decoded_alone, _ = answered_plan()
+    for (tokens, logprobs, errors, unwritten), step_seconds in zip(outcomes, seconds):
+        answers.add(decoded, tokens, logprobs, errors, step_seconds, unwritten)
+        for item in decoded.plan.items:
+            kv[item.request_id] += 1
+        alone.append((decoded_alone, tokens, logprobs, errors, step_seconds, unwritten))
+        decoded = reader.next_step(decoded, kv.__getitem__)
+        decoded_alone = reader_alone.next_step(decoded_alone, kv.__getitem__)
+    assert decoded is None
+    payload = answers.packed(100, 42, 7)
+    columns = read_result_columns(read_result(payload)[1])
+    assert (columns.steps, columns.counts, columns.steps_seconds, columns.step_seconds) == (3, [3, 1, 2], seconds, 0.875)
+    assert columns.token_ids == [100, 101, 102, 200, 300, 301]
+    assert [step.plan_id for step in split_steps(columns)] == [3, 4, 5]
+    results = codec.decode_results(read_result(payload)[1])
+    # Each step answered alone (the b token of step 3 comes after its error: no step reads it)
+    expected = []
+    for step, (step_decoded, tokens, logprobs, errors, step_seconds, unwritten) in enumerate(alone):
+        if step == 2:
+            tokens = {"cmpl-a": 102}
+            errors = []
+        expected += codec_alone.decode_results(read_result(reader_alone.encode_result(
+            step_decoded, tokens, logprobs, errors, 100, 42, step_seconds, 7, unwritten))[1])
+    assert results == expected
+    assert [token.request_id for token in results[0].tokens] == ["cmpl-a", "cmpl-b", "cmpl-c"]
+    assert [(error.request_id, error.code) for result in results for error in result.errors] == [
+        ("cmpl-d", "kv_cache_full"), ("cmpl-b", "bad_item")]
+    assert (results[0].unwritten, results[2].unwritten) == ({"cmpl-c"}, {"cmpl-a"})
+    assert results[0].tokens[0].top_logprobs == ((100, -0.5), (7, -2.0)) and results[1].tokens[1].logprob == -1.5

@@ -8,7 +8,7 @@ import pytest
 
 from services.scheduler.policy import SchedulerPolicy
 from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
-from shared.plans import DecodedPlan, PlanReader
+from shared.plans import DecodedPlan, PlanReader, StepAnswers, read_result, read_result_columns
 
 EPOCH = "epoch-test"
 STOP_TOKENS = {0, 2}
@@ -50,26 +50,35 @@ class FakeWorker:
     """Mirrors what a worker holds, and checks every plan against it: a plan that feeds the wrong
     tokens, at the wrong position, or for a request it never got, fails the test."""
 
-    def __init__(self, prompts: dict[str, tuple[int, ...]], token=token_for) -> None:
+    def __init__(self, prompts: dict[str, tuple[int, ...]], token=token_for, unwritten_at=None) -> None:
         self.prompts = prompts
         self.token = token
+        # (request id, output index) -> whether that token's entry is left to the scheduler; given,
+        # the worker writes the others' (PlanResult.entries_written), as a worker told to by the plans
+        self.unwritten_at = unwritten_at
         self.kv: dict[str, list[int]] = {}
         self.known: set[str] = set()
         self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
         self.sampled_count: dict[str, int] = defaultdict(int)  # tokens sampled per request, wasted ones too
         self.steps_run: list[int] = []  # each plan's steps (scheduler_steps), as run_all ran them
+        self.registered: list[tuple[str, int, bytes]] = []  # the prefix-cache blocks plans registered
 
     def run(self, plan: BatchPlan) -> PlanResult:
+        self.registered.extend(plan.register_blocks)
         for request_id in plan.free_request_ids:
             self.kv.pop(request_id, None)
             self.known.discard(request_id)
             self.last_sampled.pop(request_id, None)
         self.known.update(new.request_id for new in plan.new_requests)
+        # (prefix caching: a request sent with cached blocks starts after them, its KV that far there)
+        adopting = {new.request_id for new in plan.new_requests if new.cached_blocks}
         for item in plan.items:
             assert item.request_id in self.known, f"{item.request_id} stepped before its NewRequest was sent"
             held = self.kv.setdefault(item.request_id, [])
             if item.start_position == 0:
                 held.clear()
+            elif item.request_id in adopting:
+                held[:] = self.prompts[item.request_id][: item.start_position]
             assert item.start_position == len(held), f"{item.request_id}: start {item.start_position}, KV {len(held)}"
             if item.feeds_sampled:
                 assert item.token_ids == () and item.sample
@@ -85,23 +94,40 @@ class FakeWorker:
                 assert item.output_index == len(held) - len(self.prompts[item.request_id])
                 self.last_sampled[item.request_id] = (item.output_index, self.token(item.request_id, item.output_index))
                 self.sampled_count[item.request_id] += 1
-        return answer(plan, self.token)
+        result = answer(plan, self.token)
+        if self.unwritten_at is None:
+            return result
+        return dataclasses.replace(result, entries_written=True, unwritten=frozenset(
+            token.request_id for token in result.tokens if self.unwritten_at(token.request_id, token.output_index)))
 
-    def run_all(self, plan) -> list[PlanResult]:
+    def run_all(self, plan, together: bool = True) -> list:
         """A plan and, for a plan of several steps (scheduler_steps), each later step as the worker
         derives it (PlanReader.next_step: the items that run it, as decodes feeding the token each
-        sampled, at the next output index); a result for every step."""
-        results = [self.run(plan)]
+        sampled, at the next output index). Its answer as the worker's: one for all its steps
+        (StepAnswers, read as the scheduler reads it); together False: a PlanResult for every step."""
+        step = DecodedPlan(plan, [*plan.decode_handles, *plan.handles], [], steps=plan.steps,
+                           item_steps=list(plan.item_steps) or None)
         self.steps_run.append(plan.steps)
-        step = DecodedPlan(plan, [0] * len(plan.items), [], steps=plan.steps, item_steps=list(plan.item_steps) or None)
-        while (step := PlanReader.next_step(step, lambda request_id: len(self.kv[request_id]))) is not None:
-            results.append(self.run(step.plan))
-        return results
+        answers, results = StepAnswers(PlanReader()), []
+        while step is not None:
+            result = self.run(step.plan)
+            answers.add(step, {token.request_id: token.token_id for token in result.tokens}, {},
+                        [(error.request_id, error.code, error.message) for error in result.errors],
+                        result.step_seconds, result.unwritten if result.entries_written else None)
+            results.append(result)
+            step = PlanReader.next_step(step, lambda request_id: len(self.kv[request_id]))
+        if not together:
+            return results
+        return [read_result_columns(read_result(answers.packed(0, 0))[1])]
 
 
-def collect(outcomes, outputs: dict[str, list[int]], reasons: dict[str, str]) -> None:
+def collect(outcomes, outputs: dict[str, list[int]], reasons: dict[str, str], seen: list | None = None) -> None:
     for outcome in outcomes:
-        assert outcome.output_index == len(outcome.request.output_token_ids) - 1
+        if seen is not None:
+            seen.append((outcome.request_id, outcome.output_index, outcome.token_id, outcome.finish_reason,
+                         outcome.written))
+        output = outcome.request.output_token_ids  # (an answer of several steps: several tokens of a request)
+        assert outcome.output_index < len(output) and output[outcome.output_index] == outcome.token_id
         outputs[outcome.request_id].append(outcome.token_id)
         if outcome.finish_reason:
             reasons[outcome.request_id] = outcome.finish_reason
@@ -128,10 +154,12 @@ def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: i
 
 
 def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: int = 2000,
-                    sent: dict[str, list[BatchPlan]] | None = None):
+                    sent: dict[str, list[BatchPlan]] | None = None, together: bool = True,
+                    seen: list | None = None):
     """Like drive, but every worker takes as many plans as the policy sends (pipeline_depth) and
     answers its oldest one per round, as a real worker runs its plan stream in order.
-    sent: plans already sent to a worker and not answered yet."""
+    sent: plans already sent to a worker and not answered yet; together: FakeWorker.run_all's; seen:
+    every outcome, as collect notes them."""
     outputs: dict[str, list[int]] = defaultdict(list)
     reasons: dict[str, str] = {}
     queued: dict[str, list[BatchPlan]] = {worker_id: list((sent or {}).get(worker_id, ())) for worker_id in workers}
@@ -144,9 +172,11 @@ def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max
                 queued[worker_id].append(plan)
             depth_seen = max(depth_seen, len(queued[worker_id]))
             if queued[worker_id]:
-                for result in worker.run_all(queued[worker_id].pop(0)):  # (a plan of several steps: each)
-                    collect(policy.on_result(result), outputs, reasons)
-                    assert policy.row_disagreements() == []
+                for result in worker.run_all(queued[worker_id].pop(0), together):
+                    # (as the service applies an answer: a plan of several steps whole, or a step at a time)
+                    for answer in policy.answers_to_apply(result) if together else [result]:
+                        collect(policy.on_result(answer), outputs, reasons, seen)
+                        assert policy.row_disagreements() == []
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -661,6 +691,61 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
         assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
         assert reasons[f"r{index}"] == "length"
     assert all(worker.kv_blocks_reserved == 0 and not worker.running for worker in map(policy.worker, ("w1", "w2")))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_the_answer_to_a_plan_of_steps_applies_at_once_as_its_steps_one_by_one(prefix_caching):
+    """The worker answers a plan of several steps at once; applied in one pass (most answers) or a
+    step at a time, everything the scheduler keeps comes out the same: outputs, finishes (stop
+    tokens, max_tokens), the outcomes left to publish (tokens whose entries the worker left to the
+    scheduler, finishing ones), iteration records, the prefix cache's registrations and every KV
+    count. Requests join and leave meanwhile (pipelined plans, a full KV cache: preemptions), with a
+    stop string on one (its plans go a step at a time)."""
+    stop_at = {f"r{index}": 3 + index % 11 for index in range(0, 24, 3)}  # where some sample a stop token
+
+    def token(request_id: str, index: int) -> int:
+        return 2 if stop_at.get(request_id) == index else token_for(request_id, index)
+
+    def run(together: bool):
+        policy = make_policy(max_batch_size=6, max_batch_tokens=24, pipeline_depth=2, scheduler_steps=4,
+                             prefix_caching=prefix_caching, text_context=lambda prompt, output: ())
+        prompts = {}
+        for worker_id in ("w1", "w2"):
+            policy.worker_up(worker_id, kv_blocks_total=14, kv_block_size=4)
+        for index in range(24):
+            rec = record(f"r{index}", prompt_len=5 + index % 6, arrival=index, max_tokens=3 + index % 13,
+                         first_token=200 + index % 4)  # (prompts sharing prefixes)
+            if index == 7:
+                rec = rec.model_copy(update={"sampling": rec.sampling.model_copy(update={"stop": ("never",)})})
+            policy.add_request(rec)
+            prompts[rec.request_id] = rec.prompt_token_ids
+        workers = {worker_id: FakeWorker(prompts, token, unwritten_at=lambda request_id, index: index % 5 == 1)
+                   for worker_id in ("w1", "w2")}
+        applied = []  # each answer of several steps: applied whole (True) or a step at a time
+        answers_to_apply = policy.answers_to_apply
+        policy.answers_to_apply = lambda result: applied.append(len(answers_to_apply(result)) == 1) or \
+            answers_to_apply(result)
+        seen = []
+        outputs, reasons, _ = drive_pipelined(policy, workers, together=together, seen=seen)
+        records = [row._replace(started_at=0.0, finished_at=0.0) for row in policy.take_iteration_records()]
+        kv = [(worker.kv_blocks_reserved, worker.kv_blocks_free, len(worker.running), len(worker.cache),
+               worker.cache.blocks_idle) for worker in map(policy.worker, ("w1", "w2"))]
+        registered = [sorted(worker.registered) for worker in workers.values()]
+        return dict(outputs), reasons, sorted(seen), records, kv, registered, applied
+
+    *together, applied = run(True)
+    *one_by_one, _ = run(False)
+    assert together == one_by_one
+    # Each request ends where it should: its stop token, else its max_tokens (the finishing token is
+    # the scheduler's to publish; the others only where the worker left them)
+    ends = {request_id: (index, reason) for request_id, index, _, reason, _ in together[2] if reason}
+    for number in range(24):
+        request_id, max_tokens = f"r{number}", 3 + number % 13
+        stop = stop_at.get(request_id, max_tokens)
+        assert ends[request_id] == ((stop, "stop") if stop < max_tokens else (max_tokens - 1, "length")), request_id
+    assert {index % 5 for request_id, index, _, reason, _ in together[2] if not reason and request_id != "r7"} == {1}
+    assert len([request_id for request_id, *_ in together[2] if request_id == "r7"]) == 3 + 7 % 13  # (stop string)
+    assert sum(applied) > len(applied) / 2 and not all(applied), "most answers applied whole, some a step at a time"
 
 
 @pytest.mark.parametrize("stages", [2, 3])

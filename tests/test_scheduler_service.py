@@ -33,7 +33,7 @@ from shared.messages import (
     TokenEvent,
     WorkerInfo,
 )
-from shared.plans import PlanReader
+from shared.plans import PlanReader, StepAnswers
 from shared.tokenizer import Tokenizer
 from services.worker.token_writer import STALE, WRITE_SCRIPT, TokenWriter
 from shared.redis_connection import connect
@@ -75,6 +75,7 @@ class FakeWorker:
         self.answer_with_next: list[bool] = []  # each plan's flag (Settings.answer_every)
         self.answers_written: list[list[int]] = []  # the plan ids of each result write
         self.steps_sent: list[int] = []  # the steps of each plan of several (Settings.scheduler_steps)
+        self.steps_answered: list[int] = []  # the steps each answer holds
         self.reader = PlanReader()  # the handles the scheduler gives this worker's requests
         # The real worker's token entries (services/worker/token_writer.py), when asked: written with
         # each result, as the worker writes them
@@ -140,24 +141,28 @@ class FakeWorker:
                         continue
                     if decoded.steps > 1:
                         self.steps_sent.append(decoded.steps)
+                    answers, writes = StepAnswers(self.reader), []
+                    answer_with_next = decoded.answer_with_next
                     while decoded is not None:  # (a plan of several steps: each, as the real worker runs them)
                         plan = decoded.plan
                         self.plans.append(plan)
-                        self.answer_with_next.append(decoded.answer_with_next)
                         result = self._run(plan)
                         for handle, message in decoded.unknown:
                             self.errors.append(f"plan {plan.plan_id}: handle {handle}: {message}")
                         sampled = {token.request_id: token.token_id for token in result.tokens}
-                        writes, unwritten = (self.token_writer.after_step(plan, sampled) if self.token_writer
-                                             else ([], None))
-                        payload = self.reader.encode_result(
-                            decoded, sampled, {},
-                            [(error.request_id, error.code, error.message) for error in result.errors],
-                            result.kv_blocks_total, result.kv_blocks_free, result.step_seconds, unwritten=unwritten)
+                        step_writes, unwritten = (self.token_writer.after_step(plan, sampled) if self.token_writer
+                                                  else ([], None))
+                        writes += step_writes
+                        answers.add(decoded, sampled, {},
+                                    [(error.request_id, error.code, error.message) for error in result.errors],
+                                    result.step_seconds, unwritten)
                         await asyncio.sleep(self.step_seconds)
-                        held.append((plan.plan_id, payload, writes))
-                        answer_with_next = decoded.answer_with_next
                         decoded = self.reader.next_step(decoded, kv_length)
+                    # (one answer for all its steps, as the real worker's)
+                    held.append((answers.plan.plan_id, answers.packed(result.kv_blocks_total, result.kv_blocks_free),
+                                 writes))
+                    self.answer_with_next.append(answer_with_next)
+                    self.steps_answered.append(len(answers.seconds))
                     if answer_with_next and position + 1 < len(entries):
                         continue  # as the real worker: held while the next plan (read with it) runs
                     payloads = [payload for _, payload, _ in held]
@@ -286,6 +291,10 @@ async def wait_finished(redis, request_id: str, timeout: float = 20.0) -> list[T
         await asyncio.sleep(0.02)
 
 
+async def _equal(awaitable, expected) -> bool:
+    return await awaitable == expected
+
+
 async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():
@@ -346,6 +355,16 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert records and all(record.worker_id == "w1" for record in records)
         assert sum(record.prefill_tokens for record in records) >= sum(map(len, prompts.values()))
         assert {request_id for record in records for request_id in record.finished} == set(prompts)
+        # Every step has its record, once the answers of plans still in flight after the last finish
+        # are in (a stop string's speculative plan; one that only frees has no record to wait for)
+        stepped = sorted(plan.plan_id for plan in worker.plans if plan.items)
+
+        async def recorded_steps():
+            return sorted(decode(IterationRecord, fields[b"m"]).plan_id
+                          for _, fields in await redis_client.xrange(keys.ITERATIONS_STREAM)
+                          if decode(IterationRecord, fields[b"m"]).request_ids)
+
+        await wait_until(lambda: _equal(recorded_steps(), stepped), what="an iteration record for every step")
         assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
         assert any(item.feeds_sampled for plan in worker.plans for item in plan.items), "plans were pipelined"
         assert worker.errors == []
@@ -353,9 +372,8 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert all(item.output_index < max_tokens[item.request_id] for plan in worker.plans for item in plan.items), \
             "a step sampled past its request's max_tokens"
         if answer_every == "steps":  # each plan of several steps answered in one write; max_tokens never passed
-            assert worker.steps_sent and max(worker.steps_sent) == 4
-            assert any(len(ids) == 4 for ids in worker.answers_written)
-            assert all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in worker.answers_written)
+            assert worker.steps_sent and max(worker.steps_sent) == 4 and max(worker.steps_answered) == 4
+            assert {len(ids) for ids in worker.answers_written} == {1}, "one answer a plan"
         elif answer_every == 1:
             assert not any(worker.answer_with_next) and {len(ids) for ids in worker.answers_written} == {1}
         else:  # in pairs (one alone where the second of a pair had nothing to run)

@@ -48,7 +48,7 @@ from shared.config import REQUEST_LOG
 from shared.messages import (PROTOCOL_VERSION, FinishReason, IterationRow, NewRequest, PlanResult, RequestRecord,
                              SamplingParams)
 from shared.finishing import finish_reason, length_limit
-from shared.plans import MAX_STEPS, ColumnPlan, ResultColumns
+from shared.plans import MAX_STEPS, ColumnPlan, ResultColumns, split_steps
 
 log = logging.getLogger("iterserve.scheduler")
 request_log = logging.getLogger(REQUEST_LOG)  # each request's admission (Settings.log_requests)
@@ -452,6 +452,31 @@ class SchedulerPolicy:
         worker = self._workers.get(worker_id)
         return worker.in_flight[-1].joined if worker is not None and worker.in_flight else ()
 
+    def answers_to_apply(self, result: ResultColumns) -> list[ResultColumns]:
+        """A worker's answer as on_result takes it, one after the other (each one's tokens published
+        before the next is applied): the answer to a plan of several steps whole, all its steps in
+        one pass, or, where _applies_together says no, a step at a time (split_steps), each as it
+        would be alone."""
+        return [result] if result.steps == 1 or self._applies_together(result) else split_steps(result)
+
+    def _applies_together(self, result: ResultColumns) -> bool:
+        """Whether the answer to a plan of several steps can be applied in one pass: not the rare one
+        with an item in error or out of step, a stale answer, or a request with stop strings (the
+        service finds them in the text: between steps, before the next step's token is applied)."""
+        worker = self._workers.get(result.worker_id)
+        if worker is None or len(worker.in_flight) < result.steps or result.errors:
+            return False
+        flight = worker.in_flight[0]
+        plan = flight.plan
+        if (result.scheduler_epoch != self.epoch or result.plan_id != flight.plan_id or flight.step
+                or plan.steps != result.steps or result.handles != flight.handles
+                or result.output_indexes != flight.output_indexes
+                or result.counts != (plan.item_steps or [plan.steps] * len(flight.handles))):
+            return False
+        left = flight.left
+        return all([(left and state in left) or (not state.sampling.stop and len(state.output_token_ids) == index)
+                    for state, index in zip(flight.states, flight.output_indexes)])
+
     def on_result(self, result: ResultColumns | PlanResult) -> list[TokenOutcome]:
         """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided;
         the tokens whose output is still to write (not those whose entry the worker wrote). A
@@ -469,6 +494,8 @@ class SchedulerPolicy:
             return []
         if isinstance(result, PlanResult):
             result = _result_columns(result, flight)
+        elif result.steps > 1:
+            return self._on_steps_result(worker, result)
         worker.in_flight.pop(0)
         now = self._clock()
         flight.started_at = max(flight.started_at, worker.last_result_at)  # it ran after the plan before it
@@ -551,6 +578,74 @@ class SchedulerPolicy:
                 reason = None
             logprob, top = logprobs.get(position, (None, ())) if logprobs else (None, ())
             outcomes.append(TokenOutcome(state, token_id, output_index, reason, logprob, top, written))
+        return outcomes
+
+    def _on_steps_result(self, worker: WorkerState, result: ResultColumns) -> list[TokenOutcome]:
+        """The answer to a plan of several steps, as _applies_together found it (else: ValueError):
+        each request's tokens applied at once (up to one that ends it), each step's iteration
+        record as on_result makes it."""
+        if not self._applies_together(result):
+            raise ValueError(f"the answer to plan {result.plan_id} is applied a step at a time (split_steps)")
+        steps = result.steps
+        flights = worker.in_flight[:steps]
+        del worker.in_flight[:steps]
+        first = flights[0]
+        now = self._clock()
+        first.started_at = max(first.started_at, worker.last_result_at)
+        worker.last_result_at = now
+        # The steps ran one after the other, the last just before the answer came: each one's end
+        # from the steps' times after it.
+        drafts, finished_at = [], now - sum(result.steps_seconds)
+        for flight, seconds in zip(flights, result.steps_seconds):
+            if drafts:
+                flight.started_at = drafts[-1].finished_at
+            finished_at += seconds
+            drafts.append(_RecordDraft(flight, finished_at=max(finished_at, flight.started_at), step_seconds=seconds))
+        left = self._left_since_record.pop(worker.worker_id, None)
+        if left is not None:
+            drafts[0].cancelled.extend(left[0])
+            drafts[0].preempted.extend(left[1])
+        self._drafts.extend(drafts)
+        unwritten = set(result.unwritten_tokens) if result.entries_written else None
+        outcomes: list[TokenOutcome] = []
+        prefix_caching, block_size = self.prefix_caching, worker.kv_block_size
+        stop_token_ids, logprobs, left, token_ids = self.stop_token_ids, result.logprobs, first.left, result.token_ids
+        end = 0
+        for state, first_index, count in zip(first.states, first.output_indexes, result.counts):
+            begin, end = end, end + count  # (this item's tokens: token_ids[begin:end])
+            if left and state in left:
+                continue  # finished, cancelled, preempted or moved while the plan was in flight
+            state.in_flight_samples -= count
+            tokens = token_ids[begin:end]
+            output = state.output_token_ids
+            # (a stop token or the output limit ends it: most items neither)
+            ends_at, reason = None, None
+            if not stop_token_ids.isdisjoint(tokens) or first_index + count >= state.output_limit:
+                for step, token_id in enumerate(tokens):
+                    reason = finish_reason(token_id, first_index + step + 1, state.output_limit, stop_token_ids,
+                                           state.sampling.ignore_eos)
+                    if reason is not None:
+                        ends_at, tokens = step, tokens[: step + 1]
+                        break
+            output.extend(tokens)
+            if prefix_caching:  # (its KV after its last step applied: the prompt and the outputs before)
+                kv_end = state.prompt_length + first_index + len(tokens) - 1
+                if kv_end // block_size > len(state.held_hashes):
+                    self._register_blocks(worker, state, kv_end)
+            if ends_at is not None:
+                self._latest_draft[worker.worker_id] = drafts[ends_at]  # (the record of the step it ended in)
+                self._end(state, reason)
+            if ends_at is None and unwritten is not None and not unwritten and state.workers_write:
+                continue  # its worker wrote every token's entry: nothing is left to do with them (most)
+            for step, token_id in enumerate(tokens):
+                position = begin + step
+                written = unwritten is not None and state.workers_write and position not in unwritten
+                step_reason = reason if step == ends_at else None
+                if written and step_reason is None:
+                    continue
+                logprob, top = logprobs.get(position, (None, ())) if logprobs else (None, ())
+                outcomes.append(TokenOutcome(state, token_id, first_index + step, step_reason, logprob, top, written))
+        self._latest_draft[worker.worker_id] = drafts[-1]
         return outcomes
 
     # Internals: building a plan

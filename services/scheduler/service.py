@@ -275,7 +275,7 @@ class SchedulerService:
                 continue
             finally:
                 self.phase_cpu["decode"] += time.process_time() - started
-            self._apply_result(result)
+            self._take_result(result)
             if b"f" in fields:
                 self._entries_failed(fields[b"f"])
 
@@ -286,7 +286,17 @@ class SchedulerService:
             return  # ended already, or not loaded yet: loading it reads its cancel flag
         self.outputs.cancelled(state)
 
+    def _take_result(self, result: ResultColumns) -> None:
+        """A worker's answer applied (the answer to a plan of several steps: whole, or a step at a
+        time: SchedulerPolicy.answers_to_apply)."""
+        started = time.process_time()
+        answers = self.policy.answers_to_apply(result)
+        self.phase_cpu["apply"] += time.process_time() - started
+        for answer in answers:
+            self._apply_result(answer)
+
     def _apply_result(self, result: ResultColumns) -> None:
+        """An answer applied, its tokens published and its iteration records written."""
         started = time.process_time()
         outcomes = self.policy.on_result(result)
         applied = time.process_time()

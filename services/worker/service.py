@@ -49,7 +49,7 @@ from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, Work
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange, xread_entries
 from shared.startup_heap import freeze_startup_heap
-from shared.plans import DecodedPlan, PlanReader
+from shared.plans import DecodedPlan, PlanReader, StepAnswers
 from shared.tokenizer import Tokenizer
 from shared.wire import WireError, encode
 
@@ -155,11 +155,6 @@ class Worker:
                 async with asyncio.timeout(self.settings.heartbeat_seconds):
                     await self._heartbeat_stop.wait()
 
-    def execute(self, decoded: DecodedPlan) -> tuple[bytes, list[Write], StepOutcome]:
-        """Run a plan: its result on the wire, the token entries to write with it, and the step's outcome."""
-        outcome = self.launch(decoded)
-        return *self._encode(decoded, outcome), outcome
-
     def launch(self, decoded: DecodedPlan) -> StepOutcome:
         """A plan's changes and its step (with pipeline stages: the step's first stage; a refused
         plan's outcome has its errors set and no step)."""
@@ -182,17 +177,20 @@ class Worker:
             return self.failed(plan, "cache_mismatch", str(mismatch))
         return self.engine.step(plan.items)
 
-    def _encode(self, decoded: DecodedPlan, outcome: StepOutcome) -> tuple[bytes, list[Write]]:
-        """A plan's result on the wire and the token entries to write with it (called once for every
-        plan decoded, in order: the token writer follows the plans' new and freed requests)."""
-        kv = self.engine.kv_cache
+    def _gather(self, answers: StepAnswers, decoded: DecodedPlan, outcome: StepOutcome) -> list[Write]:
+        """A step's outcome into its plan's answer; the token entries to write with it (called once
+        for every step run, in order: the token writer follows the plans' new and freed requests)."""
         writes, unwritten = self.token_writer.after_step(decoded.plan, outcome.tokens)
         logprobs = {request_id: (finite(value.logprob), tuple((token, finite(top)) for token, top in value.top))
                     for request_id, value in outcome.logprobs.items()}
-        return self.reader.encode_result(decoded, outcome.tokens, logprobs,
-                                         [(error.request_id, error.code, error.message) for error in outcome.errors],
-                                         kv.blocks_total, kv.blocks_free, outcome.seconds, kv.blocks_cached,
-                                         unwritten), writes
+        answers.add(decoded, outcome.tokens, logprobs,
+                    [(error.request_id, error.code, error.message) for error in outcome.errors], outcome.seconds,
+                    unwritten)
+        return writes
+
+    def _packed(self, answers: StepAnswers) -> bytes:
+        kv = self.engine.kv_cache
+        return answers.packed(kv.blocks_total, kv.blocks_free, kv.blocks_cached)
 
     async def serve(self, stop_event: asyncio.Event) -> None:
         stream = keys.plan_stream(self.worker_id)
@@ -302,15 +300,13 @@ class Worker:
         plan the loop then checks whether to drain or leave); each result is handed to the loop to
         publish, in order. A plan that says "answer with the next" has its result held while the
         next plan runs, and written with that one's (of the same scheduler epoch); never longer than
-        this runs: a held result with no plan after it here goes out as this returns. A plan of
-        several steps runs them all here, one after the other (PlanReader.next_step), its results
-        held for the last one's."""
+        this runs: a held result with no plan after it here goes out as this returns."""
         held: list[Answer] = []
         try:
             while True:
                 entry_id, fields = self._ready.popleft()
                 decoded = self._decode(fields, entry_id)
-                while decoded is not None:
+                if decoded is not None:
                     answer = self._run_plan(decoded, entry_id)
                     if held and held[-1].plan.scheduler_epoch != answer.plan.scheduler_epoch:
                         loop.call_soon_threadsafe(self._queue_publish, held, stream)
@@ -319,7 +315,6 @@ class Worker:
                     if not decoded.answer_with_next:
                         loop.call_soon_threadsafe(self._queue_publish, held, stream)
                         held = []
-                    decoded = self.reader.next_step(decoded, self.engine.kv_length)
                 if not self._ready or stop_event.is_set():
                     return
         finally:
@@ -327,11 +322,18 @@ class Worker:
                 loop.call_soon_threadsafe(self._queue_publish, held, stream)
 
     def _run_plan(self, decoded: DecodedPlan, entry_id: bytes) -> Answer:
-        """One plan (or step of one): its answer (its result on the wire, its token entries, the
-        plan). Raises EngineBroken when the engine can no longer compute."""
+        """One plan, every step of it (a plan of several: PlanReader.next_step): its answer (one
+        result, its token entries, the plan). Raises EngineBroken when the engine can no longer compute."""
+        answers, writes = StepAnswers(self.reader), []
+        while decoded is not None:
+            writes += self._gather(answers, decoded, self._run_step(decoded))
+            decoded = self.reader.next_step(decoded, self.engine.kv_length)
+        return Answer(self._packed(answers), writes, answers.plan, entry_id)
+
+    def _run_step(self, decoded: DecodedPlan) -> StepOutcome:
         plan = decoded.plan
         try:
-            result, writes, outcome = self.execute(decoded)
+            outcome = self.launch(decoded)
             self.busy_seconds += outcome.seconds
             self._consecutive_oom = 0
         except Exception as failure:
@@ -345,9 +347,8 @@ class Worker:
             if self._consecutive_oom >= MAX_CONSECUTIVE_OOM:
                 raise EngineBroken(f"{self._consecutive_oom} steps in a row ran out of memory") from failure
             outcome = self.failed(plan, "out_of_memory", f"the worker ran out of memory: {failure}")
-            result, writes = self._encode(decoded, outcome)
         self._log_refusals(decoded, outcome)
-        return Answer(result, writes, plan, entry_id)
+        return outcome
 
     def _queue_publish(self, answers: list[Answer], stream: str) -> None:
         """Publish results after the ones before them (results go out in order)."""
@@ -372,7 +373,8 @@ class Worker:
             if decoded.steps == 1:
                 return
             # (The scheduler sends several steps to no worker of stages; were it to, each step
-            # feeds the tokens of the one before: they are back first.)
+            # feeds the tokens of the one before: they are back first. Each is answered apart, under
+            # its own plan id, as the scheduler also reads the steps of a plan.)
             await self._publishing
             decoded = self.reader.next_step(decoded, self.engine.kv_length)
 
@@ -417,7 +419,9 @@ class Worker:
         self.busy_seconds += now - max(launched_at, self._busy_until)  # overlapping plans counted once
         self._busy_until = now
         self._log_refusals(decoded, outcome)
-        await self._publish([Answer(*self._encode(decoded, outcome), decoded.plan, entry_id)], stream)
+        answers = StepAnswers(self.reader)
+        writes = self._gather(answers, decoded, outcome)
+        await self._publish([Answer(self._packed(answers), writes, decoded.plan, entry_id)], stream)
 
     def _log_refusals(self, decoded: DecodedPlan, outcome: StepOutcome) -> None:
         for error in outcome.errors:
