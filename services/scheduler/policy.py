@@ -480,7 +480,8 @@ class SchedulerPolicy:
     def on_result(self, result: ResultColumns | PlanResult) -> list[TokenOutcome]:
         """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided;
         the tokens whose output is still to write (not those whose entry the worker wrote). A
-        PlanResult (request ids: tests and tools) is read as the columns the wire gives."""
+        PlanResult (request ids: tests and tools) is read as the columns the wire gives; the answer
+        to a plan of several steps is taken as answers_to_apply gives it (whole, or a step at a time)."""
         worker = self._workers.get(result.worker_id)
         flight = worker.in_flight[0] if worker is not None and worker.in_flight else None
         if (
