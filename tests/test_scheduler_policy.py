@@ -563,6 +563,12 @@ def test_answering_in_groups_needs_room_for_two_groups_in_flight():
     with pytest.raises(ValidationError, match="answer_every 2 needs pipeline_depth at least 4"):
         Settings(answer_every=2, pipeline_depth=3)
     assert Settings(answer_every=2, pipeline_depth=4).answer_every == 2
+    # Plans of several steps are answered as one already: not grouped besides
+    with pytest.raises(ValidationError, match="scheduler_steps 4 and answer_every 2"):
+        Settings(answer_every=2, pipeline_depth=4, scheduler_steps=4)
+    with pytest.raises(ValidationError):
+        Settings(scheduler_steps=17)
+    assert Settings(scheduler_steps=4).scheduler_steps == 4
 
 
 def test_draining_worker_gets_no_new_requests():
