@@ -36,6 +36,8 @@ SERVICE_OPTIONS = {
                                             "K > 1 needs --pipeline-depth 2K: fewer scheduler round trips, K-1 steps later)"),
     "--scheduler-steps": ("scheduler_steps", int, "decode steps one plan runs, answered together (default 1; N > 1: "
                                                   "the scheduler plans once per N steps, a request joins up to N later)"),
+    "--scheduler-plan-ms": ("scheduler_plan_ms", float, "with --scheduler-steps N: a worker's plans run as many "
+                                                        "steps (up to N) as fit in this many ms of its measured steps"),
     "--scheduler-token-entries": ("worker_token_entries", "off", "the scheduler writes every token entry (default: "
                                                               "workers write those of tokens that end nothing)"),
     "--no-prefix-caching": ("prefix_caching", "off", "recompute every prompt (default: finished requests' KV blocks "

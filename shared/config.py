@@ -57,6 +57,12 @@ class Settings(BaseModel):
     # sampled past a stop token or a cancel are dropped). 1 (the default): Orca's one plan per step.
     # Not with answer_every > 1 (two ways of answering several steps at once).
     scheduler_steps: int = Field(1, ge=1, le=16)
+    # With scheduler_steps > 1: a worker's plans run as many steps as fit in this many milliseconds
+    # of its own measured steps (at most scheduler_steps, at least 1), so one setting serves workers
+    # of any speed: one step a plan for this CPU's 60-300 ms steps, up to 7 for a GPU's 3.4 ms at 25.
+    # A worker runs one step a plan until its first answer says how long its steps take. 0 (the
+    # default): every plan of decodes runs scheduler_steps.
+    scheduler_plan_ms: float = Field(0.0, ge=0, le=10_000)
     # Workers write the token entries of tokens that end nothing, of requests without stop strings or
     # logprobs under the iteration policy (docs/protocol.md); False: the scheduler writes them all.
     worker_token_entries: bool = True
@@ -143,6 +149,9 @@ class Settings(BaseModel):
             raise ValueError(f"answer_every {self.answer_every} needs pipeline_depth at least "
                              f"{2 * self.answer_every} (a group of plans runs while the next is planned), "
                              f"not {self.pipeline_depth}")
+        if self.scheduler_plan_ms and self.scheduler_steps == 1:
+            raise ValueError(f"scheduler_plan_ms {self.scheduler_plan_ms} needs scheduler_steps above 1 "
+                             "(the most steps a plan may run)")
         if self.scheduler_steps > 1 and self.answer_every > 1:
             raise ValueError(f"scheduler_steps {self.scheduler_steps} and answer_every {self.answer_every}: "
                              "choose one (each answers several steps with one write)")

@@ -2,6 +2,7 @@
 hand-computed cases, exact seeded outputs, the same KV block accounting as the real engine on the
 same plans, clear errors for bad profiles, and the whole system running on emulated workers."""
 
+import concurrent.futures
 import json
 import random
 import re
@@ -191,6 +192,42 @@ def test_the_whole_system_on_emulated_workers_says_so_and_gives_exact_seeded_out
         frozen = re.findall(r"event=startup_heap_frozen service=(\w+) objects=(\d+)", system.log())
         assert sorted(service for service, _ in frozen) == ["gateway", "scheduler", "worker", "worker"]
         assert all(int(objects) > 10_000 for _, objects in frozen)
+
+
+def test_plans_as_long_as_the_plan_time_allows_on_workers_of_fast_steps():
+    """`--scheduler-steps 16 --scheduler-plan-ms 12` on a worker of about 3.4 ms steps (EMULATED
+    h100-llama3.2-3b, a little faster at these short contexts): its plans of decodes run 3 or 4
+    steps (fewer when its steps run slower than the profile, on a busy host), not 16 nor 1, and
+    every seeded output is still exact."""
+    from shared.tokenizer import Tokenizer
+    from tests.system import System
+
+    seeds, length = (5, 6, 7), 48
+    with System("--executor", "emulated", "--hardware", "h100-llama3.2-3b", "--scheduler-steps", "16",
+                "--scheduler-plan-ms", "12", workers=1) as system:
+        def complete(seed: int) -> str:
+            body = json.dumps({"model": "smollm2-135m-instruct", "prompt": f"Count to {seed}", "max_tokens": length,
+                               "seed": seed, "temperature": 0.8, "ignore_eos": True}).encode()
+            request = urllib.request.Request(f"{system.url}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.loads(response.read())["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+            texts = list(pool.map(complete, seeds))
+        deadline = time.monotonic() + 10
+        while True:  # /status shows the scheduler's heartbeat (every 0.5 s): its counts after the last plan
+            with urllib.request.urlopen(f"{system.url}/status", timeout=10) as response:
+                scheduler = json.loads(response.read())["scheduler"]
+            if scheduler["iterations"] >= length or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    tokenizer = Tokenizer.load()
+    assert texts == [tokenizer.decode([emulated_token(seed, index, tokenizer.vocab_size) for index in range(length)])
+                     for seed in seeds]
+    # (the plans of prompts run one step each, and the first plan runs one before a step is measured)
+    steps_a_plan = scheduler["iterations"] / scheduler["plans"]
+    assert 1.4 < steps_a_plan <= 4, scheduler
 
 
 def test_a_profile_written_from_measured_steps_reproduces_them_and_loads(tmp_path):

@@ -35,14 +35,15 @@ def make_policy(**options) -> SchedulerPolicy:
     return SchedulerPolicy(EPOCH, **options)
 
 
-def answer(plan: BatchPlan, token=token_for, errors: tuple[ItemError, ...] = ()) -> PlanResult:
+def answer(plan: BatchPlan, token=token_for, errors: tuple[ItemError, ...] = (),
+           step_seconds: float = 0.001) -> PlanResult:
     failed = {error.request_id for error in errors}
     return PlanResult(
         scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=plan.worker_id,
         tokens=tuple(SampledToken(request_id=item.request_id, token_id=token(item.request_id, item.output_index),
                                   output_index=item.output_index)
                      for item in plan.items if item.sample and item.request_id not in failed),
-        errors=errors, kv_blocks_total=0, kv_blocks_free=0, step_seconds=0.001,
+        errors=errors, kv_blocks_total=0, kv_blocks_free=0, step_seconds=step_seconds,
     )
 
 
@@ -50,8 +51,10 @@ class FakeWorker:
     """Mirrors what a worker holds, and checks every plan against it: a plan that feeds the wrong
     tokens, at the wrong position, or for a request it never got, fails the test."""
 
-    def __init__(self, prompts: dict[str, tuple[int, ...]], token=token_for, unwritten_at=None) -> None:
+    def __init__(self, prompts: dict[str, tuple[int, ...]], token=token_for, unwritten_at=None,
+                 step_seconds: float = 0.001) -> None:
         self.prompts = prompts
+        self.step_seconds = step_seconds  # how long it says each step took
         self.token = token
         # (request id, output index) -> whether that token's entry is left to the scheduler; given,
         # the worker writes the others' (PlanResult.entries_written), as a worker told to by the plans
@@ -94,7 +97,7 @@ class FakeWorker:
                 assert item.output_index == len(held) - len(self.prompts[item.request_id])
                 self.last_sampled[item.request_id] = (item.output_index, self.token(item.request_id, item.output_index))
                 self.sampled_count[item.request_id] += 1
-        result = answer(plan, self.token)
+        result = answer(plan, self.token, step_seconds=self.step_seconds)
         if self.unwritten_at is None:
             return result
         return dataclasses.replace(result, entries_written=True, unwritten=frozenset(
@@ -569,6 +572,9 @@ def test_answering_in_groups_needs_room_for_two_groups_in_flight():
     with pytest.raises(ValidationError):
         Settings(scheduler_steps=17)
     assert Settings(scheduler_steps=4).scheduler_steps == 4
+    with pytest.raises(ValidationError, match="scheduler_plan_ms 25.0 needs scheduler_steps above 1"):
+        Settings(scheduler_plan_ms=25)
+    assert Settings(scheduler_steps=16, scheduler_plan_ms=25).scheduler_plan_ms == 25
 
 
 def test_draining_worker_gets_no_new_requests():
@@ -697,6 +703,36 @@ def test_many_requests_over_two_workers_all_finish_with_the_right_output(policy_
         assert outputs[f"r{index}"] == expected_output(f"r{index}", 2 + index % 9)
         assert reasons[f"r{index}"] == "length"
     assert all(worker.kv_blocks_reserved == 0 and not worker.running for worker in map(policy.worker, ("w1", "w2")))
+
+
+def test_plans_as_long_as_plan_seconds_of_each_workers_own_steps():
+    """plan_seconds (Settings.scheduler_plan_ms): one policy, one target, workers of different step
+    times. A worker of 3.4 ms steps gets plans of 25 // 3.4 = 7 steps (once its first answer has said
+    how long its steps take: one step until then); one of 60 ms steps (this CPU engine's) plans of
+    one; and every output is the oracle's, as with plans of fixed steps."""
+    policy = make_policy(max_batch_size=8, max_batch_tokens=64, pipeline_depth=2, scheduler_steps=16,
+                         plan_seconds=0.025)
+    prompts = {}
+    for worker_id in ("fast", "slow"):
+        policy.worker_up(worker_id, kv_blocks_total=64, kv_block_size=4)
+    for index in range(12):
+        rec = record(f"r{index}", prompt_len=3 + index % 5, arrival=index, max_tokens=40, ignore_eos=True,
+                     first_token=300 + index)
+        policy.add_request(rec)
+        prompts[rec.request_id] = rec.prompt_token_ids
+    workers = {"fast": FakeWorker(prompts, step_seconds=0.0034), "slow": FakeWorker(prompts, step_seconds=0.060)}
+    outputs, reasons, _ = drive_pipelined(policy, workers)
+    fast, slow = workers["fast"].steps_run, workers["slow"].steps_run
+    assert fast[0] == 1 and max(fast) == 7 and fast.count(7) >= len(fast) // 2, fast
+    assert set(slow) == {1}, slow
+    assert policy.worker("fast").step_seconds == pytest.approx(0.0034)
+    for index in range(12):
+        assert outputs[f"r{index}"] == expected_output(f"r{index}", 40)
+        assert reasons[f"r{index}"] == "length"
+    # The target is a bound: a worker of steps longer than it runs one step a plan, and with 0
+    # (off) every plan of decodes runs scheduler_steps.
+    assert make_policy(scheduler_steps=4)._steps_for(policy.worker("slow")) == 4
+    assert make_policy(scheduler_steps=4, plan_seconds=0.001)._steps_for(policy.worker("fast")) == 1
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])

@@ -291,10 +291,6 @@ async def wait_finished(redis, request_id: str, timeout: float = 20.0) -> list[T
         await asyncio.sleep(0.02)
 
 
-async def _equal(awaitable, expected) -> bool:
-    return await awaitable == expected
-
-
 async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():
@@ -356,15 +352,16 @@ async def test_tokens_stream_in_order_with_the_right_final_event(redis_client, s
         assert sum(record.prefill_tokens for record in records) >= sum(map(len, prompts.values()))
         assert {request_id for record in records for request_id in record.finished} == set(prompts)
         # Every step has its record, once the answers of plans still in flight after the last finish
-        # are in (a stop string's speculative plan; one that only frees has no record to wait for)
-        stepped = sorted(plan.plan_id for plan in worker.plans if plan.items)
+        # are in (a stop string's speculative plan, which may reach the worker after the finish; one
+        # that only frees has no record to wait for): the plans stepped so far, at every look
+        async def every_step_recorded() -> bool:
+            stepped = sorted(plan.plan_id for plan in worker.plans if plan.items)
+            recorded = sorted(decode(IterationRecord, fields[b"m"]).plan_id
+                              for _, fields in await redis_client.xrange(keys.ITERATIONS_STREAM)
+                              if decode(IterationRecord, fields[b"m"]).request_ids)
+            return recorded == stepped
 
-        async def recorded_steps():
-            return sorted(decode(IterationRecord, fields[b"m"]).plan_id
-                          for _, fields in await redis_client.xrange(keys.ITERATIONS_STREAM)
-                          if decode(IterationRecord, fields[b"m"]).request_ids)
-
-        await wait_until(lambda: _equal(recorded_steps(), stepped), what="an iteration record for every step")
+        await wait_until(every_step_recorded, what="an iteration record for every step")
         assert max(len(item.token_ids) for plan in worker.plans for item in plan.items) <= settings.max_batch_tokens
         assert any(item.feeds_sampled for plan in worker.plans for item in plan.items), "plans were pipelined"
         assert worker.errors == []

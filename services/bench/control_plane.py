@@ -69,6 +69,7 @@ class Sizes:
     pipeline_depth: int = 2  # plans in flight per worker (the system's default)
     answer_every: int = 1  # plans a worker answers with one result write (the system's default)
     scheduler_steps: int = 1  # decode steps one plan runs (the system's default)
+    scheduler_plan_ms: float = 0.0  # with scheduler_steps: plans as long as this (0, the system's default: off)
     scheduler_token_entries: bool = False  # the scheduler writes every token entry (not the system's default)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
@@ -197,6 +198,8 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
                                      "--pipeline-depth", str(sizes.pipeline_depth),
                                      "--answer-every", str(sizes.answer_every),
                                      "--scheduler-steps", str(sizes.scheduler_steps),
+                                     *(["--scheduler-plan-ms", f"{sizes.scheduler_plan_ms:g}"]
+                                       if sizes.scheduler_plan_ms else []),
                                      *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else [])),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
 
@@ -281,7 +284,9 @@ def markdown(report: dict) -> str:
         f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}, "
         f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`), "
         f"answered {report['sizes'].get('answer_every', 1)} at a time (`--answer-every`), "
-        f"plans of decodes running {report['sizes'].get('scheduler_steps', 1)} steps each (`--scheduler-steps`); "
+        f"plans of decodes running {report['sizes'].get('scheduler_steps', 1)} steps each (`--scheduler-steps`)"
+        + (f" at most, as many as fit in {report['sizes']['scheduler_plan_ms']:g} ms of the worker's steps "
+           "(`--scheduler-plan-ms`); " if report["sizes"].get("scheduler_plan_ms") else "; ")
         + ("the scheduler writes every token entry (`--scheduler-token-entries`); "
            if report["sizes"].get("scheduler_token_entries")
            else "the workers write the token entries of plain tokens; ")
@@ -371,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
                              "needs --pipeline-depth 2K)")
     parser.add_argument("--scheduler-steps", type=int,
                         help="decode steps one plan runs, answered together (default 1, the system's)")
+    parser.add_argument("--scheduler-plan-ms", type=float,
+                        help="with --scheduler-steps N: plans of as many steps (up to N) as fit in this many ms")
     parser.add_argument("--scheduler-token-entries", action="store_true",
                         help="the scheduler writes every token entry (default: the workers write most)")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
@@ -391,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["answer_every"] = args.answer_every
     if args.scheduler_steps:
         overrides["scheduler_steps"] = args.scheduler_steps
+    if args.scheduler_plan_ms:
+        overrides["scheduler_plan_ms"] = args.scheduler_plan_ms
     if args.scheduler_token_entries:
         overrides["scheduler_token_entries"] = True
     if overrides:

@@ -157,6 +157,7 @@ class SchedulerPolicy:
         pipeline_depth: int = 1,
         answer_every: int = 1,
         scheduler_steps: int = 1,
+        plan_seconds: float = 0.0,
         prefix_caching: bool = False,
         placement: Placement = "least-loaded",
         placement_slack: int = 8,
@@ -168,7 +169,8 @@ class SchedulerPolicy:
         """cache_salt: what else makes a block's KV (the model's name): part of every block hash.
         text_context: the tokenizer's (Tokenizer.text_context); given, workers write the token
         entries of tokens that end nothing, for the requests `workers_write_entries` says (the
-        iteration policy only)."""
+        iteration policy only). plan_seconds (Settings.scheduler_plan_ms): with scheduler_steps > 1,
+        a worker's plans run as many steps as fit in that long of its measured steps (_steps_for)."""
         if policy not in ("iteration", "request"):
             raise ValueError(f"unknown policy {policy!r}")
         if placement not in ("cache-aware", "least-loaded"):
@@ -192,6 +194,9 @@ class SchedulerPolicy:
         if not 1 <= scheduler_steps <= MAX_STEPS:
             raise ValueError(f"scheduler_steps must be in [1, {MAX_STEPS}]")
         self.scheduler_steps = scheduler_steps
+        if plan_seconds < 0:
+            raise ValueError("plan_seconds must not be negative")
+        self.plan_seconds = plan_seconds
         self.context_length = context_length
         self.stop_token_ids = frozenset(stop_token_ids)
         self._text_context = text_context if policy == "iteration" else None
@@ -498,6 +503,7 @@ class SchedulerPolicy:
         elif result.steps > 1:
             return self._on_steps_result(worker, result)
         worker.in_flight.pop(0)
+        worker.measured_step(result.step_seconds)
         now = self._clock()
         flight.started_at = max(flight.started_at, worker.last_result_at)  # it ran after the plan before it
         worker.last_result_at = now
@@ -591,6 +597,8 @@ class SchedulerPolicy:
         flights = worker.in_flight[:steps]
         del worker.in_flight[:steps]
         first = flights[0]
+        for seconds in result.steps_seconds:
+            worker.measured_step(seconds)
         now = self._clock()
         first.started_at = max(first.started_at, worker.last_result_at)
         worker.last_result_at = now
@@ -900,9 +908,24 @@ class SchedulerPolicy:
                          state.request_id, worker.worker_id, state.total_tokens, len(state.output_token_ids),
                          cached_tokens)
 
-    def _plan_steps(self, batch: _Batch) -> list[int] | None:
+    def _steps_for(self, worker: WorkerState) -> int:
+        """The most steps the worker's next plan may run: scheduler_steps, or with plan_seconds as
+        many as fit in that long of the worker's recent steps (at least one; one until it has
+        answered a plan, when how long its steps take is not known). A plan of decodes costs the
+        scheduler about the same whatever its steps, so with a target in time a fast worker gets
+        plans of many steps and a slow one of one, where its steps hide the scheduler's cost."""
+        most = self.scheduler_steps
+        if self.plan_seconds and most > 1:
+            step_seconds = worker.step_seconds
+            if step_seconds is None:
+                return 1
+            if step_seconds * most > self.plan_seconds:
+                most = max(1, int(self.plan_seconds / step_seconds))
+        return most
+
+    def _plan_steps(self, batch: _Batch, most: int) -> list[int] | None:
         """A plan whose every item samples (decodes, and prompts whose last chunk it feeds), on a
-        worker of one stage: each item's steps (scheduler_steps, fewer for a request that reaches its
+        worker of one stage: each item's steps (most, fewer for a request that reaches its
         output limit sooner), their KV blocks reserved and their tokens counted in flight; None when
         it runs one step (a prefill chunk short of its prompt's end, or too few KV blocks free for the
         steps: nothing is preempted for them)."""
@@ -912,7 +935,7 @@ class SchedulerPolicy:
         states = batch.fed_states + batch.states  # (each: its tokens counted in computed, its sample in flight)
         if not states:
             return None
-        most, block_size = self.scheduler_steps, worker.kv_block_size
+        block_size = worker.kv_block_size
         # Each one's steps: as many more samples as its output limit leaves (this step's sample is
         # counted: at least one step), and the KV blocks its last step needs beyond those it holds.
         steps, more_blocks = [], []
@@ -967,7 +990,8 @@ class SchedulerPolicy:
                 self._add_item(batch, state, start, chunk, sample, outputs, state.tokens(start, end))
                 state.in_flight_samples += sample
             state.computed = end
-        steps = self._plan_steps(batch) if self.scheduler_steps > 1 else None
+        allowed = self._steps_for(worker) if self.scheduler_steps > 1 else 1
+        steps = self._plan_steps(batch, allowed) if allowed > 1 else None
         new_states = [state for request_id, state in running.items() if request_id not in worker.known] \
             if not worker.known.issuperset(running) else []  # (one set operation in the common case)
         worker.known.update(state.request_id for state in new_states)

@@ -152,6 +152,15 @@ class WorkerState:
     # A worker group of several pipeline stages runs that many plans at once: each of different
     # requests (a request's next token needs its last), about 1/stages of them each (Orca fig. 8).
     stages: int = 1
+    # How long its steps take, recently (seconds, a moving average of the steps its answers report;
+    # None before its first answer): how many steps its plans run with Settings.scheduler_plan_ms.
+    step_seconds: float | None = None
+
+    def measured_step(self, seconds: float) -> None:
+        """A step's time from its answer, into the moving average (a quarter weight: a prefill-heavy
+        step or a pause moves it, and a few steps later it is back)."""
+        average = self.step_seconds
+        self.step_seconds = seconds if average is None else average + 0.25 * (seconds - average)
 
     @property
     def plans_in_flight(self) -> int:

@@ -99,6 +99,7 @@ class SchedulerService:
             pipeline_depth=settings.pipeline_depth,
             answer_every=settings.answer_every,
             scheduler_steps=settings.scheduler_steps,
+            plan_seconds=settings.scheduler_plan_ms / 1000,
             max_batch_tokens=settings.max_batch_tokens,
             prefix_caching=settings.prefix_caching,
             placement=settings.placement,
