@@ -735,6 +735,40 @@ def test_plans_as_long_as_plan_seconds_of_each_workers_own_steps():
     assert make_policy(scheduler_steps=4, plan_seconds=0.001)._steps_for(policy.worker("fast")) == 1
 
 
+def test_while_requests_wait_a_timed_plan_ends_where_its_first_request_does():
+    """plan_seconds: while requests wait for a row, a plan of several steps ends at the step where
+    its first request reaches its output limit (every item runs the same steps), so the row it frees
+    takes a waiting request at the next plan, not up to a plan's length later; with nobody waiting,
+    a plan runs its steps and the requests that end sooner stop inside it. Outputs are the oracle's."""
+    policy = make_policy(max_batch_size=4, max_batch_tokens=64, pipeline_depth=2, scheduler_steps=16,
+                         plan_seconds=0.025)
+    policy.worker_up("w1", kv_blocks_total=256, kv_block_size=4)
+    prompts, limits = {}, {}
+    for index in range(12):
+        limits[f"r{index}"] = 4 + (index * 5) % 17
+        rec = record(f"r{index}", prompt_len=3 + index % 4, arrival=index, max_tokens=limits[f"r{index}"],
+                     ignore_eos=True, first_token=300 + index)
+        policy.add_request(rec)
+        prompts[rec.request_id] = rec.prompt_token_ids
+    plans = []  # each plan of several steps: (its items' steps, whether requests waited after it was made)
+    next_plan = policy.next_plan
+
+    def recording_next_plan(worker_id):
+        plan = next_plan(worker_id)
+        if plan is not None and plan.steps > 1:
+            plans.append((list(plan.item_steps) or [plan.steps] * len(plan.items), policy.waiting_count > 0))
+        return plan
+
+    policy.next_plan = recording_next_plan
+    outputs, reasons, _ = drive_pipelined(policy, {"w1": FakeWorker(prompts, step_seconds=0.0034)})
+    for index in range(12):
+        assert outputs[f"r{index}"] == expected_output(f"r{index}", limits[f"r{index}"])
+        assert reasons[f"r{index}"] == "length"
+    waited = [steps for steps, waiting in plans if waiting]
+    assert waited and all(len(set(steps)) == 1 for steps in waited), waited
+    assert any(len(set(steps)) > 1 for steps, waiting in plans if not waiting), plans
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_the_answer_to_a_plan_of_steps_applies_at_once_as_its_steps_one_by_one(prefix_caching):
     """The worker answers a plan of several steps at once; applied in one pass (most answers) or a

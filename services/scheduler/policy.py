@@ -937,13 +937,19 @@ class SchedulerPolicy:
             return None
         block_size = worker.kv_block_size
         # Each one's steps: as many more samples as its output limit leaves (this step's sample is
-        # counted: at least one step), and the KV blocks its last step needs beyond those it holds.
-        steps, more_blocks = [], []
-        for state in states:
-            count = state.output_limit - len(state.output_token_ids) - state.in_flight_samples + 1
-            if count > most:
-                count = most
-            steps.append(count)
+        # counted: at least one step).
+        steps = [min(most, state.output_limit - len(state.output_token_ids) - state.in_flight_samples + 1)
+                 for state in states]
+        if self.plan_seconds and self._waiting:
+            # Requests wait for a row (plans in time adapt, fixed ones run their steps): the plan
+            # ends at the step where its first request reaches its output limit, so the row it frees
+            # takes one of them at the next plan, not up to a plan's steps later.
+            end = min(steps)
+            if end < most:
+                steps = [end] * len(steps)
+        # The KV blocks each one's last step needs beyond those it holds.
+        more_blocks = []
+        for state, count in zip(states, steps):
             last = state.computed + count - 1  # (tokens in its KV after its last step)
             if last > state.kv_blocks * block_size:
                 more_blocks.append((state, -(-last // block_size) - state.kv_blocks))
