@@ -2,7 +2,8 @@
 Redis, all on 127.0.0.1), and what must hold afterwards: nothing lost, nothing duplicated, every
 output unchanged.
 
-Every scenario runs twice: against the model, and against emulated workers (`executor` below).
+Every scenario runs against the model, and against emulated workers (`executor` below: plans of one
+step, of 4, and as long as a time).
 Greedy and seeded requests are deterministic (the randomness of token k is a function of the
 request's seed and k only), so each scenario's outputs are compared with a fault-free run of the
 same requests (the module's `baseline`). Each test runs its own Cluster (tests/cluster.py): every
@@ -417,6 +418,12 @@ EXECUTORS = {
     # Plans of decodes run 4 steps each (Settings.scheduler_steps): a fault or a cancel lands in the
     # middle of a plan's steps, whose later tokens are dropped, and the same checks hold.
     "emulated-4-steps": {"executor": "emulated", "hardware": "h100-qwen2.5-32b", "scheduler_steps": 4},
+    # Plans as long as a time (Settings.scheduler_plan_ms): each worker's plans run as many steps as
+    # fit in 100 ms of its recent steps (one until its first answer, then about 4 of these, at most
+    # 8), and while requests wait a plan ends where its first request does, so plans of a varying
+    # number of steps are in flight when a fault lands.
+    "emulated-steps-in-time": {"executor": "emulated", "hardware": "h100-qwen2.5-32b", "scheduler_steps": 8,
+                               "scheduler_plan_ms": 100},
 }
 
 
@@ -443,6 +450,11 @@ def baseline(executor: dict[str, str]) -> dict[str, Output]:
     with Cluster(**executor, workers=2) as cluster:
         outputs = asyncio.run(run_all(cluster, specs, nothing, stream=False))
         check_nothing_left(cluster)
+        if STEPS_A_PLAN > 1:  # plans of several steps ran (else the executor is the one-step one again)
+            def several_steps_a_plan() -> bool:  # (/status: the scheduler's heartbeat, every 0.5 s)
+                scheduler = cluster.get_json("/status")[1]["scheduler"]
+                return scheduler["iterations"] > 1.5 * scheduler["plans"]
+            asyncio.run(until(several_steps_a_plan, "iterations of plans of several steps", 5))
     report("baseline", requests=len(specs), seconds=round(time.monotonic() - started, 1))
     return outputs
 
