@@ -69,6 +69,9 @@ SERVICE_OPTIONS = {
     "--log-level": ("log_level", str, "DEBUG, INFO, WARNING ..."),
     "--log-requests": ("log_requests", bool, "the scheduler logs each request's admission and end (default: "
                                              "only the gateways log requests, at their end)"),
+    "--scheduler-cpus": ("scheduler_cpus", str, "up: CPUs the scheduler runs on alone, kept from idling (a CPU "
+                                                "list: 3 or 2-3); everything else runs on the others (default: "
+                                                "no pinning)"),
     # Access and admission (services/gateway/admission.py)
     "--api-keys": ("api_keys", str, "comma-separated API keys (visible in ps: prefer --api-keys-file or the env)"),
     "--api-keys-file": ("api_keys_file", str, "file of API keys, one per line"),

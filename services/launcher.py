@@ -3,7 +3,9 @@
 Starts a private redis-server (append-only, data kept under the data directory) unless a
 Redis URL is given, then the scheduler, the workers and the gateway; prefixes their logs;
 on Ctrl-C or SIGTERM stops them all and reaps them. A child that dies is reported and, like
-compose's restart policy, started again after a short back-off.
+compose's restart policy, started again after a short back-off. With --scheduler-cpus the
+schedulers run on those CPUs alone, kept from idling (services/keep_awake.py), and every other
+process on the others.
 """
 
 import ctypes
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from shared.config import Settings, threads_per_worker
+from shared.config import Settings, cpu_list, cpu_text, threads_per_worker
 from shared.served_models import served_models
 from shared.redis_connection import credentials_error, redacted
 
@@ -40,15 +42,23 @@ def die_with_parent() -> None:
 
 
 class Child:
-    def __init__(self, name: str, command: list[str], env: dict[str, str]):
-        self.name, self.command, self.env = name, command, env
+    def __init__(self, name: str, command: list[str], env: dict[str, str], cpus: frozenset[int] | None = None):
+        """cpus: the CPUs it runs on (None: wherever the launcher may), set before it starts (so every
+        thread it makes runs there too)."""
+        self.name, self.command, self.env, self.cpus = name, command, env, cpus
         self.process: subprocess.Popen | None = None
         self.exited_at = 0.0
+
+    def _prepare(self) -> None:
+        """In the child, before it runs its command."""
+        die_with_parent()
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
 
     def start(self) -> None:
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
+            preexec_fn=self._prepare,
         )
         threading.Thread(target=self._relay, args=(self.process,), daemon=True).start()
         log.info("event=started process=%s pid=%d", self.name, self.process.pid)
@@ -84,7 +94,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def redis_child(data_dir: Path) -> tuple[Child, str]:
+def cpu_split(settings: Settings) -> tuple[frozenset[int], frozenset[int]] | None:
+    """(the scheduler's CPUs, everyone else's) for --scheduler-cpus, None without it; ValueError saying
+    why when the CPUs are not this process's to give, or leave none for the others."""
+    scheduler_cpus = cpu_list(settings.scheduler_cpus)
+    if not scheduler_cpus:
+        return None
+    available = frozenset(os.sched_getaffinity(0))
+    if not scheduler_cpus <= available:
+        raise ValueError(f"--scheduler-cpus {settings.scheduler_cpus}: CPU {cpu_text(scheduler_cpus - available)} "
+                         f"is not among this process's CPUs ({cpu_text(available)})")
+    if scheduler_cpus == available:
+        raise ValueError(f"--scheduler-cpus {settings.scheduler_cpus} leaves no CPU for the workers, the gateway "
+                         f"and Redis (this process's CPUs: {cpu_text(available)})")
+    return scheduler_cpus, available - scheduler_cpus
+
+
+def redis_child(data_dir: Path, cpus: frozenset[int] | None = None) -> tuple[Child, str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("iterserve up: redis-server is not installed; install it (apt-get install redis-server) "
@@ -93,7 +119,7 @@ def redis_child(data_dir: Path) -> tuple[Child, str]:
     port = free_port()
     command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
                "--appendfsync", "everysec", "--dir", str(data_dir)]
-    return Child("redis", command, dict(os.environ)), f"redis://127.0.0.1:{port}/0"
+    return Child("redis", command, dict(os.environ), cpus), f"redis://127.0.0.1:{port}/0"
 
 
 def wait_for_redis(url: str, timeout: float = 15.0) -> None:
@@ -151,13 +177,19 @@ def run_up(settings: Settings) -> int:
             return 2
         log.warning("event=emulated_executor hardware=%s note=EMULATED workers: no model runs, steps take the "
                     "time the profile gives (a benchmarking instrument)", profile.name)
+    try:
+        split = cpu_split(settings)
+    except ValueError as error:
+        log.error("event=bad_scheduler_cpus error=%s", error)
+        return 2
+    scheduler_cpus, other_cpus = split or (None, None)
     stop_requested = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop_requested.set())
 
     redis_process = None
     if not settings.redis_url:
-        redis_process, url = redis_child(data_directory() / "redis")
+        redis_process, url = redis_child(data_directory() / "redis", other_cpus)
         redis_process.start()
         wait_for_redis(url)
         settings = settings.model_copy(update={"redis_url": url})
@@ -165,29 +197,35 @@ def run_up(settings: Settings) -> int:
         log.error("event=redis_refused %s", problem)
         return 2
     models = served_models(settings)
-    threads = settings.threads or threads_per_worker(settings.workers * len(models) * settings.group_size)
+    threads = settings.threads or threads_per_worker(settings.workers * len(models) * settings.group_size,
+                                                     len(other_cpus) if other_cpus else None)
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
-    children = []
+    # (services/keep_awake.py: why; first, so they stop last)
+    children = [Child(f"awake-{cpu}", [sys.executable, "-m", "services.keep_awake"], env, frozenset([cpu]))
+                for cpu in sorted(scheduler_cpus or ())]
     gpus = visible_gpus() if settings.executor == "engine" else []
     worker_count = 0
     for served in models:  # a scheduler and --workers workers per model, in the model's pool of keys
         suffix = f"-{served.name}" if len(models) > 1 else ""
         model_env = env | {"ITERSERVE_MODEL": served.path, "ITERSERVE_SERVED_MODEL_NAME": served.name,
                            "ITERSERVE_MODEL_GROUP": served.keys.group}
-        children.append(Child(f"scheduler{suffix}", service + ["scheduler"], model_env))
+        children.append(Child(f"scheduler{suffix}", service + ["scheduler"], model_env, scheduler_cpus))
         for index in range(settings.workers):
             # No fixed worker id: a restarted worker is a new worker (its predecessor's KV is gone).
             worker_env = model_env | {"ITERSERVE_THREADS": str(threads), "ITERSERVE_WORKER_ID": ""}
             worker_env |= worker_gpu_env(settings, worker_count, gpus)
             worker_count += 1
-            children.append(Child(f"worker{suffix}-{index + 1}", service + ["worker"], worker_env))
-    children.append(Child("gateway", service + ["gateway"], env))
+            children.append(Child(f"worker{suffix}-{index + 1}", service + ["worker"], worker_env, other_cpus))
+    children.append(Child("gateway", service + ["gateway"], env, other_cpus))
     for child in children:
         child.start()
     log.info("event=up redis=%s gateway=http://%s:%d models=%s workers_per_model=%d threads_per_worker=%d gpus=%s",
              redacted(settings.redis_url), settings.host, settings.port, ",".join(model.name for model in models),
              settings.workers, threads, ",".join(gpus) if len(gpus) > 1 else "one or none: not assigned")
+    if split:
+        log.info("event=scheduler_cpus scheduler=%s others=%s note=each scheduler CPU kept from idling by an "
+                 "idle-priority process", cpu_text(scheduler_cpus), cpu_text(other_cpus))
 
     while not stop_requested.wait(0.2):
         for child in children:

@@ -12,9 +12,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.model_file import DEFAULT_MODEL  # re-exported: the settings' default
 
 
-def threads_per_worker(workers: int) -> int:
-    """Each worker's share of the machine's cores, so workers don't fight each other."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """Each worker's share of the machine's cores (or of `cores` of them), so workers don't fight each other."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, workers))
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """A CPU list as taskset and cgroups write it ("0", "0,2", "0-3,6"), as CPU numbers; "" is none."""
+    cpus: set[int] = set()
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"not a CPU list: {text!r} (CPU numbers and ranges, such as 0 or 0,2 or 0-3)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
+
+
+def cpu_text(cpus: frozenset[int] | set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 # The logger of the scheduler's per-request lines (admitted, finished): Settings.log_requests.
@@ -142,6 +157,11 @@ class Settings(BaseModel):
     # one scheduler's CPU, a quarter of its fan-out at batch 64 with few fast workers
     # (benchmarks/results/control_plane_2026-12-03_request_lines.md).
     log_requests: bool = False
+    # `iterserve up` only: CPUs the scheduler runs on alone (a CPU list: "3", "2-3"); the workers,
+    # the gateway and the private Redis run on the machine's others, and an idle-priority process
+    # per scheduler CPU keeps it from going idle between results (services/launcher.py: an idle core
+    # makes the scheduler's next turn about twice as costly). Empty (the default): no pinning.
+    scheduler_cpus: str = ""
 
     @model_validator(mode="after")
     def _depth_holds_two_groups(self) -> "Settings":
@@ -152,6 +172,7 @@ class Settings(BaseModel):
         if self.scheduler_plan_ms and self.scheduler_steps == 1:
             raise ValueError(f"scheduler_plan_ms {self.scheduler_plan_ms} needs scheduler_steps above 1 "
                              "(the most steps a plan may run)")
+        cpu_list(self.scheduler_cpus)  # (a ValueError names what is wrong)
         if self.scheduler_steps > 1 and self.answer_every > 1:
             raise ValueError(f"scheduler_steps {self.scheduler_steps} and answer_every {self.answer_every}: "
                              "choose one (each answers several steps with one write)")

@@ -229,6 +229,7 @@ class SchedulerInfo(Frozen):
     prefix_cache_hit_tokens: int = 0
     # Its exact copy of each worker's KV blocks: {worker id: {"in_use", "cached", "free"}}.
     kv_blocks: dict[str, dict[str, int]] = {}
+    cpus: list[int] = []  # the CPUs it may run on (Settings.scheduler_cpus pins it)
 
 
 class IterationRecord(Frozen):

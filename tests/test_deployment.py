@@ -64,3 +64,20 @@ def test_up_puts_worker_i_on_gpu_i_when_there_are_several(monkeypatch):
         {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == []
+
+
+def test_scheduler_cpus_read_as_taskset_writes_them_and_a_bad_list_is_refused():
+    from pydantic import ValidationError
+
+    from shared.config import Settings, cpu_list, threads_per_worker
+
+    assert cpu_list("") == frozenset()
+    assert cpu_list("3") == {3}
+    assert cpu_list("0,2") == {0, 2}
+    assert cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    for bad in ("x", "3-1", "0-", "-1", "1.5", "0;1"):
+        with pytest.raises(ValidationError, match="not a CPU list"):
+            Settings(scheduler_cpus=bad)
+    assert Settings(scheduler_cpus="2-3").scheduler_cpus == "2-3"
+    # The workers share the CPUs left to them, not the machine's
+    assert threads_per_worker(2, cores=6) == 3 and threads_per_worker(4, cores=2) == 1

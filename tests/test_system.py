@@ -297,3 +297,55 @@ def test_sigterm_stops_the_whole_system_and_leaves_no_process_behind():
     leftovers = system.stop()
     assert leftovers == [], f"left running: {[p.pid for p in leftovers]}"
     assert not [child for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_scheduler_cpus_put_the_scheduler_alone_on_its_cpu_kept_awake_and_everything_else_on_the_others():
+    """`iterserve up --scheduler-cpus C`: the scheduler runs on C alone, an idle-priority process keeps
+    C from idling (services/keep_awake.py), the workers, gateway and Redis run on the other CPUs;
+    /status says where the scheduler runs, requests are served, and stopping leaves nothing behind."""
+    import os
+    import subprocess
+    import sys
+
+    from services.worker.emulated import emulated_token
+    from shared.tokenizer import Tokenizer
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, f"this test needs two CPUs to split, this process may use {cpus}"
+    scheduler_cpu, others = cpus[-1], set(cpus[:-1])
+    for refused, reason in ((f"{cpus[-1] + 1000}", f"CPU {cpus[-1] + 1000} is not among this process's CPUs"),
+                            (",".join(map(str, cpus)), "leaves no CPU for the workers")):
+        up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--scheduler-cpus", refused],
+                            capture_output=True, text=True, timeout=60)
+        assert up.returncode == 2 and reason in up.stderr + up.stdout, (up.returncode, up.stderr[-2000:])
+    system = System("--executor", "emulated", "--hardware", "h100-llama3-8b", "--scheduler-cpus", str(scheduler_cpu),
+                    workers=2).__enter__()
+    try:
+        placed: dict[str, list] = {}
+        for child in system.descendants():
+            command = " ".join(child.cmdline())
+            kind = next((name for name in ("scheduler", "worker", "gateway") if f"services.cli {name}" in command),
+                        "redis" if "redis-server" in command else
+                        "keep-awake" if "services.keep_awake" in command else command)
+            # (every thread of it: torch's and Redis's threads start after the affinity was set)
+            placed.setdefault(kind, []).extend(
+                (set(os.sched_getaffinity(thread.id)), os.sched_getscheduler(thread.id)) for thread in child.threads())
+        assert set(placed) == {"scheduler", "worker", "gateway", "redis", "keep-awake"}, set(placed)
+        assert all(cpus == {scheduler_cpu} for cpus, _ in placed["scheduler"]), placed["scheduler"]
+        assert placed["keep-awake"] == [({scheduler_cpu}, os.SCHED_IDLE)], placed["keep-awake"]
+        for kind in ("worker", "gateway", "redis"):
+            assert all(cpus == others for cpus, _ in placed[kind]), (kind, placed[kind])
+        body = json.dumps({"model": MODEL, "prompt": "Hello there", "max_tokens": 6, "seed": 42,
+                           "temperature": 0.7}).encode()
+        request = urllib.request.Request(f"{system.url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        tokenizer = Tokenizer.load()
+        assert answer["choices"][0]["text"] == tokenizer.decode(
+            [emulated_token(42, index, tokenizer.vocab_size) for index in range(6)])
+        with urllib.request.urlopen(f"{system.url}/status", timeout=10) as response:
+            assert json.loads(response.read())["scheduler"]["cpus"] == [scheduler_cpu]
+    finally:
+        leftovers = system.stop()
+    assert leftovers == [], f"left running: {[process.cmdline() for process in leftovers]}"

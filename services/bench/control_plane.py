@@ -27,6 +27,7 @@ The HTTP case: 4 emulated h100-llama3-8b workers under 16 streaming clients with
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -47,6 +48,7 @@ from services.bench.workloads import WorkloadConfig
 from services.gateway.store import Store
 from services.scheduler.service import PHASES
 from shared import keys
+from shared.config import cpu_list
 from shared.messages import IterationRecord, RequestRecord, SamplingParams
 from shared.wire import WireError, decode
 
@@ -71,6 +73,7 @@ class Sizes:
     scheduler_steps: int = 1  # decode steps one plan runs (the system's default)
     scheduler_plan_ms: float = 0.0  # with scheduler_steps: plans as long as this (0, the system's default: off)
     scheduler_token_entries: bool = False  # the scheduler writes every token entry (not the system's default)
+    scheduler_cpus: str = ""  # the scheduler on these CPUs alone, kept from idling (default: no pinning)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
     http_clients: int = 16
@@ -200,8 +203,24 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
                                      "--scheduler-steps", str(sizes.scheduler_steps),
                                      *(["--scheduler-plan-ms", f"{sizes.scheduler_plan_ms:g}"]
                                        if sizes.scheduler_plan_ms else []),
-                                     *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else [])),
+                                     *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else []),
+                                     *(["--scheduler-cpus", sizes.scheduler_cpus] if sizes.scheduler_cpus else [])),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
+
+
+@contextlib.contextmanager
+def off_cpus(cpus: str):
+    """The load (this process) off the scheduler's CPUs while the system runs, as every process of it
+    but the scheduler is (--scheduler-cpus); the system is started before, with every CPU to give."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, before - cpu_list(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 async def _window(url: str, seconds: float) -> tuple[dict, dict]:
@@ -212,7 +231,7 @@ async def _window(url: str, seconds: float) -> tuple[dict, dict]:
 
 
 async def pool_case(profile: str, workers: int, sizes: Sizes, seed: int) -> dict:
-    with _server(profile, workers, sizes) as server:
+    with _server(profile, workers, sizes) as server, off_cpus(sizes.scheduler_cpus):
         feeder = PoolFeeder(server.redis_url, workers * sizes.requests_per_worker, sizes, seed)
         feeding = asyncio.create_task(feeder.run())
         try:
@@ -234,12 +253,15 @@ async def pool_case(profile: str, workers: int, sizes: Sizes, seed: int) -> dict
         executors = {(worker["executor"], worker.get("hardware")) for worker in after["workers"]}
     if executors != {("emulated", profile)}:
         raise RuntimeError(f"expected emulated {profile} workers, /status says {executors}")
+    if sizes.scheduler_cpus and set(after["scheduler"]["cpus"]) != cpu_list(sizes.scheduler_cpus):
+        raise RuntimeError(f"expected the scheduler on CPUs {sizes.scheduler_cpus}, /status says "
+                           f"{after['scheduler']['cpus']}")
     return {"case": "pool", "executor": "emulated", "profile": profile, "workers": workers, **figures}
 
 
 async def http_case(sizes: Sizes, seed: int) -> dict:
     """Streaming clients through the gateway: the whole path, at a rate this machine can read."""
-    with _server(sizes.http_profile, sizes.http_workers, sizes) as server:
+    with _server(sizes.http_profile, sizes.http_workers, sizes) as server, off_cpus(sizes.scheduler_cpus):
         workload = WorkloadConfig(name="orca", input_range=(sizes.prompt_tokens, sizes.prompt_tokens),
                                   output_range=(sizes.output_tokens, sizes.output_tokens))
         duration = sizes.warmup_seconds + sizes.seconds + 5
@@ -290,6 +312,8 @@ def markdown(report: dict) -> str:
         + ("the scheduler writes every token entry (`--scheduler-token-entries`); "
            if report["sizes"].get("scheduler_token_entries")
            else "the workers write the token entries of plain tokens; ")
+        + (f"the scheduler alone on CPU {report['sizes']['scheduler_cpus']}, kept from idling, everything else on "
+           "the others (`--scheduler-cpus`); " if report["sizes"].get("scheduler_cpus") else "")
         + f"measured over {report['sizes']['seconds']:g} s after a "
         f"{report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
@@ -380,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --scheduler-steps N: plans of as many steps (up to N) as fit in this many ms")
     parser.add_argument("--scheduler-token-entries", action="store_true",
                         help="the scheduler writes every token entry (default: the workers write most)")
+    parser.add_argument("--scheduler-cpus",
+                        help="the scheduler alone on these CPUs, kept from idling; the rest on the others")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, or .../quick)")
@@ -402,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["scheduler_plan_ms"] = args.scheduler_plan_ms
     if args.scheduler_token_entries:
         overrides["scheduler_token_entries"] = True
+    if args.scheduler_cpus:
+        overrides["scheduler_cpus"] = args.scheduler_cpus
     if overrides:
         sizes = Sizes(**{**asdict(sizes), **overrides})
     out_dir = (args.out or (RESULTS / "quick" if args.quick else RESULTS)).resolve()

@@ -124,7 +124,7 @@ class ServerProcess:
         return match.group(1)
 
     def components(self) -> dict[int, str]:
-        """pid -> redis | scheduler | worker | gateway, for `up`'s children (Linux /proc)."""
+        """pid -> redis | scheduler | worker | gateway | keep-awake, for `up`'s children (Linux /proc)."""
         found: dict[int, str] = {}
         if self.process is None:
             return found
@@ -140,7 +140,8 @@ class ServerProcess:
             except (OSError, ValueError, IndexError):
                 continue
             name = next((part for part in ("scheduler", "worker", "gateway") if f"services.cli {part}" in command),
-                        "redis" if "redis-server" in command else "other")
+                        "redis" if "redis-server" in command else
+                        "keep-awake" if "services.keep_awake" in command else "other")
             found[int(entry.name)] = name
         return found
 
