@@ -5,6 +5,7 @@
   iterserve scheduler   the iteration-level scheduler
   iterserve worker      one worker: model + KV cache
   iterserve bench       the load generator (see services/bench)
+  iterserve keep-awake  spin at idle priority: keeps a scheduler's CPU from idling (services/keep_awake.py)
 
 Every option can also come from the environment (ITERSERVE_<OPTION>, REDIS_URL).
 """
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("up", "gateway", "scheduler", "worker"):
         add_service_options(commands.add_parser(name, help=f"run {name}"))
+    commands.add_parser("keep-awake", help="spin at idle priority, keeping this CPU from idling (run it pinned to "
+                                           "the scheduler's CPU: services/keep_awake.py)")
     bench = commands.add_parser("bench", help="load generator against a running gateway", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -179,6 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         from services.bench.cli import main as bench_main
 
         bench_main(args.bench_args)
+        return
+    if args.command == "keep-awake":
+        from services.keep_awake import main as keep_awake
+
+        keep_awake()
         return
     settings = settings_from(args)
     configure_logging(settings)

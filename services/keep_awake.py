@@ -1,5 +1,5 @@
-"""Keeps one CPU from going idle, at the lowest priority there is: `iterserve up --scheduler-cpus`
-runs one per scheduler CPU, pinned to it.
+"""Keeps one CPU from going idle, at the lowest priority there is: `iterserve keep-awake`, which
+`iterserve up --scheduler-cpus` runs once per scheduler CPU, pinned to it.
 
 The scheduler sleeps between results (3.4 ms with one worker of 3.4 ms steps) and wakes for a few
 hundred microseconds of work. A CPU left idle meanwhile halts (a virtual machine's vCPU gives its

@@ -202,7 +202,7 @@ def run_up(settings: Settings) -> int:
     env = dict(os.environ) | settings.to_env() | {"PYTHONUNBUFFERED": "1"}
     service = [sys.executable, "-m", "services.cli"]
     # (services/keep_awake.py: why; first, so they stop last)
-    children = [Child(f"awake-{cpu}", [sys.executable, "-m", "services.keep_awake"], env, frozenset([cpu]))
+    children = [Child(f"awake-{cpu}", service + ["keep-awake"], env, frozenset([cpu]))
                 for cpu in sorted(scheduler_cpus or ())]
     gpus = visible_gpus() if settings.executor == "engine" else []
     worker_count = 0

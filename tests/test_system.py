@@ -326,7 +326,7 @@ def test_scheduler_cpus_put_the_scheduler_alone_on_its_cpu_kept_awake_and_everyt
             command = " ".join(child.cmdline())
             kind = next((name for name in ("scheduler", "worker", "gateway") if f"services.cli {name}" in command),
                         "redis" if "redis-server" in command else
-                        "keep-awake" if "services.keep_awake" in command else command)
+                        "keep-awake" if "services.cli keep-awake" in command else command)
             # (every thread of it: torch's and Redis's threads start after the affinity was set)
             placed.setdefault(kind, []).extend(
                 (set(os.sched_getaffinity(thread.id)), os.sched_getscheduler(thread.id)) for thread in child.threads())

@@ -141,7 +141,7 @@ class ServerProcess:
                 continue
             name = next((part for part in ("scheduler", "worker", "gateway") if f"services.cli {part}" in command),
                         "redis" if "redis-server" in command else
-                        "keep-awake" if "services.keep_awake" in command else "other")
+                        "keep-awake" if "services.cli keep-awake" in command else "other")
             found[int(entry.name)] = name
         return found
 
