@@ -519,3 +519,4 @@ def test_control_plane_case_keeps_an_emulated_worker_fed_and_measures_it():
     assert by_component["worker"] > 0 and by_component["redis"] > 0
     assert by_component["scheduler"] == pytest.approx(row["scheduler_cpu_us_per_iteration"], rel=0.3)
     assert sum(row["phase_cpu_us_per_iteration"].values()) <= row["scheduler_cpu_us_per_iteration"] * 1.05
+    assert row["phase_cpu_us_per_iteration"]["timers"] > 0, "the liveness polls (every 0.25 s) and heartbeats"

@@ -17,7 +17,7 @@ After a warm-up, two /status snapshots `seconds` apart give, from counters the s
   busy      each worker's share of wall time inside steps (its busy_seconds over its heartbeats)
   plans/s   worker-iterations through the scheduler per second
   CPU/it    the scheduler's CPU time per worker-iteration, and by phase (plan, encode, Redis,
-            decode, apply, fan-out: services/scheduler/service.py PHASES)
+            decode, apply, fan-out, timers: services/scheduler/service.py PHASES)
   gap/it    each worker's mean time between steps (wall time not in steps over iterations)
 and the last 1000 iteration records give the mean batch and step time.
 
@@ -318,9 +318,9 @@ def markdown(report: dict) -> str:
         f"{report['sizes']['warmup_seconds']:g} s warm-up.",
         "",
         "| profile (emulated) | step ms | workers | batch | busy min | busy mean | plans/s | scheduler CPU | "
-        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | round trips / it | it / plan | gap ms / it | "
-        "workers' CPU µs / it | Redis's CPU µs / it |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU µs / it | plan | encode | redis | decode | apply | fan-out | timers | other | round trips / it | it / plan | "
+        "gap ms / it | workers' CPU µs / it | Redis's CPU µs / it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         phases = row["phase_cpu_us_per_iteration"]
@@ -328,7 +328,8 @@ def markdown(report: dict) -> str:
             f"| {row['profile']} | {_f(row['mean_decode_step_ms'], 2)} | {row['workers']} | {row['mean_batch']:.1f} | "
             f"{row['busy_min']:.2f} | {row['busy_mean']:.2f} | {row['plans_per_s']:.0f} | "
             f"{row['scheduler_cpu_share']:.0%} | {row['scheduler_cpu_us_per_iteration']:.0f} | "
-            + " | ".join(f"{phases[phase]:.0f}" for phase in PHASES)
+            + " | ".join(f"{phases.get(phase, float('nan')):.0f}" for phase in PHASES)
+            + f" | {row['scheduler_cpu_us_per_iteration'] - sum(phases.values()):.0f}"
             + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row.get('iterations_per_plan', float('nan')), 2)}"
             f" | {_f(row['gap_ms_per_iteration'], 2)} | "
             f"{_component_cpu(row, 'worker')} | {_component_cpu(row, 'redis')} |")
@@ -348,7 +349,9 @@ def markdown(report: dict) -> str:
         "",
         "Columns: step ms = mean emulated decode step; busy = share of wall time inside steps (per worker, from "
         "/status busy_seconds); plans/s = worker-iterations through the scheduler; scheduler CPU = its CPU time over "
-        "wall time; CPU µs / it = its CPU time per worker-iteration, then by phase; round trips / it = its Redis "
+        "wall time; CPU µs / it = its CPU time per worker-iteration, then by phase (timers: workers' liveness, the "
+        "heartbeat and the trims, which run on timers, not per worker-iteration; other: the loop itself and the rest); "
+        "round trips / it = its Redis "
         "round trips per worker-iteration (one each: no result read with another); it / plan = worker-iterations "
         "per plan the scheduler sent (more than one with `--scheduler-steps`); gap ms / it = a worker's mean "
         "time between steps; workers' and Redis's CPU µs / it = their CPU time per worker-iteration (the workers' "

@@ -65,10 +65,11 @@ log = logging.getLogger("iterserve.scheduler")
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
 PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
-# Where the scheduler's CPU time goes: choosing plans, encoding them, the Redis round trip (redis-py
-# packing the writes and parsing what it read), decoding results, applying them to the bookkeeping,
-# and the requests' output (detokenization, stop strings, token events, iteration records).
-PHASES = ("plan", "encode", "redis", "decode", "apply", "fanout")
+# Where the scheduler's CPU time goes: choosing plans, encoding them, the Redis round trip (packing
+# the writes and parsing what it read), decoding results, applying them to the bookkeeping, the
+# requests' output (detokenization, stop strings, token events, iteration records), and what runs
+# on timers, not per worker-iteration (workers' liveness, the heartbeat, the input streams' trims).
+PHASES = ("plan", "encode", "redis", "decode", "apply", "fanout", "timers")
 
 
 class SchedulerService:
@@ -185,15 +186,18 @@ class SchedulerService:
 
     async def schedule(self) -> None:
         now = time.monotonic()
+        started = time.process_time()
         if now >= self._next_poll:
             await self.liveness.poll()
             self._next_poll = now + self._poll_interval
         self.liveness.abandon_stalled_plans()
+        self.phase_cpu["timers"] += time.process_time() - started
         if self._pending_new:
             batch = self._pending_new[:LOAD_BATCH]
             await self.loader.load_requests(batch)
             del self._pending_new[: len(batch)]
         self._dispatch()
+        started = time.process_time()
         if now >= self._next_heartbeat or self._published_counts != self._counts():
             if now >= self._next_heartbeat:
                 self.link.queue_trims()
@@ -201,6 +205,7 @@ class SchedulerService:
             self._next_heartbeat = now + self.settings.heartbeat_seconds
         elif self.link.trim_due:
             self.link.queue_trims()
+        self.phase_cpu["timers"] += time.process_time() - started
 
     def _dispatch(self) -> None:
         """Write the results of request-level batches that are done, then send every plan the
