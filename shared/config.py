@@ -17,13 +17,18 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
     return max(1, (cores or os.cpu_count() or 1) // max(1, workers))
 
 
+MAX_CPUS = 8192  # (Linux's own most, NR_CPUS)
+
+
 def cpu_list(text: str) -> frozenset[int]:
     """A CPU list as taskset and cgroups write it ("0", "0,2", "0-3,6"), as CPU numbers; "" is none."""
     cpus: set[int] = set()
     for part in filter(None, (part.strip() for part in text.split(","))):
         first, dash, last = part.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
-            raise ValueError(f"not a CPU list: {text!r} (CPU numbers and ranges, such as 0 or 0,2 or 0-3)")
+        if (not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first)
+                or int(last or first) >= MAX_CPUS):
+            raise ValueError(f"not a CPU list: {text!r} (CPU numbers below {MAX_CPUS} and ranges of them, such as "
+                             "0 or 0,2 or 0-3)")
         cpus.update(range(int(first), int(last or first) + 1))
     return frozenset(cpus)
 
