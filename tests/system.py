@@ -1,11 +1,30 @@
 """`iterserve up` as the user runs it, in a subprocess, for end-to-end tests: the benchmark
 harness's ServerProcess, plus what the tests check about the processes it leaves behind."""
 
+import json
+import urllib.request
+
 import psutil
 
 from services.bench.server import REPO, ServerProcess
 
-__all__ = ["REPO", "System"]
+__all__ = ["REPO", "System", "assert_emulated_completion"]
+
+
+def assert_emulated_completion(url: str, seed: int = 42, max_tokens: int = 6) -> None:
+    """A sampled completion from a system of EMULATED workers is exactly the tokens derived from
+    (seed, output index), whichever worker ran it."""
+    from services.worker.emulated import emulated_token
+    from shared.tokenizer import Tokenizer
+
+    body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": max_tokens,
+                       "seed": seed, "temperature": 0.7}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    tokenizer = Tokenizer.load()
+    expected = tokenizer.decode([emulated_token(seed, index, tokenizer.vocab_size) for index in range(max_tokens)])
+    assert answer["choices"][0]["text"] == expected, (answer["choices"][0]["text"], expected)
 
 
 class System(ServerProcess):

@@ -162,19 +162,10 @@ def _item_error(error):
 
 @pytest.mark.slow
 def test_the_whole_system_on_emulated_workers_says_so_and_gives_exact_seeded_outputs():
-    from shared.tokenizer import Tokenizer
-    from tests.system import System
+    from tests.system import System, assert_emulated_completion
 
     with System("--executor", "emulated", "--hardware", "h100-llama3-8b", workers=2) as system:
-        body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": 6, "seed": 42,
-                           "temperature": 0.7}).encode()
-        request = urllib.request.Request(f"{system.url}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            answer = json.loads(response.read())
-        tokenizer = Tokenizer.load()
-        expected = tokenizer.decode([emulated_token(42, index, tokenizer.vocab_size) for index in range(6)])
-        assert answer["choices"][0]["text"] == expected
+        assert_emulated_completion(system.url)
         deadline = time.monotonic() + 10
         while True:  # /status shows each worker's last heartbeat (every 0.5 s)
             with urllib.request.urlopen(f"{system.url}/status", timeout=10) as response:

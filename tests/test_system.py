@@ -14,7 +14,7 @@ import redis
 
 from shared import keys
 from shared.messages import IterationRecord, SamplingParams
-from tests.system import System
+from tests.system import System, assert_emulated_completion
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -307,9 +307,6 @@ def test_scheduler_cpus_put_the_scheduler_alone_on_its_cpu_kept_awake_and_everyt
     import subprocess
     import sys
 
-    from services.worker.emulated import emulated_token
-    from shared.tokenizer import Tokenizer
-
     cpus = sorted(os.sched_getaffinity(0))
     assert len(cpus) >= 2, f"this test needs two CPUs to split, this process may use {cpus}"
     scheduler_cpu, others = cpus[-1], set(cpus[:-1])
@@ -335,15 +332,7 @@ def test_scheduler_cpus_put_the_scheduler_alone_on_its_cpu_kept_awake_and_everyt
         assert placed["keep-awake"] == [({scheduler_cpu}, os.SCHED_IDLE)], placed["keep-awake"]
         for kind in ("worker", "gateway", "redis"):
             assert all(cpus == others for cpus, _ in placed[kind]), (kind, placed[kind])
-        body = json.dumps({"model": MODEL, "prompt": "Hello there", "max_tokens": 6, "seed": 42,
-                           "temperature": 0.7}).encode()
-        request = urllib.request.Request(f"{system.url}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            answer = json.loads(response.read())
-        tokenizer = Tokenizer.load()
-        assert answer["choices"][0]["text"] == tokenizer.decode(
-            [emulated_token(42, index, tokenizer.vocab_size) for index in range(6)])
+        assert_emulated_completion(system.url)
         with urllib.request.urlopen(f"{system.url}/status", timeout=10) as response:
             assert json.loads(response.read())["scheduler"]["cpus"] == [scheduler_cpu]
     finally:
