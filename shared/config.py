@@ -164,7 +164,7 @@ class Settings(BaseModel):
     log_requests: bool = False
     # `iterserve up` only: CPUs the scheduler runs on alone (a CPU list: "3", "2-3"); the workers,
     # the gateway and the private Redis run on the machine's others, and an idle-priority process
-    # per scheduler CPU keeps it from going idle between results (services/launcher.py: an idle core
+    # per scheduler CPU keeps it from going idle between results (services/keep_awake.py: an idle core
     # makes the scheduler's next turn about twice as costly). Empty (the default): no pinning.
     scheduler_cpus: str = ""
 

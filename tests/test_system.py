@@ -319,14 +319,11 @@ def test_scheduler_cpus_put_the_scheduler_alone_on_its_cpu_kept_awake_and_everyt
                     workers=2).__enter__()
     try:
         placed: dict[str, list] = {}
-        for child in system.descendants():
-            command = " ".join(child.cmdline())
-            kind = next((name for name in ("scheduler", "worker", "gateway") if f"services.cli {name}" in command),
-                        "redis" if "redis-server" in command else
-                        "keep-awake" if "services.cli keep-awake" in command else command)
+        for pid, kind in system.components().items():  # (up's children, by kind)
             # (every thread of it: torch's and Redis's threads start after the affinity was set)
             placed.setdefault(kind, []).extend(
-                (set(os.sched_getaffinity(thread.id)), os.sched_getscheduler(thread.id)) for thread in child.threads())
+                (set(os.sched_getaffinity(thread.id)), os.sched_getscheduler(thread.id))
+                for thread in psutil.Process(pid).threads())
         assert set(placed) == {"scheduler", "worker", "gateway", "redis", "keep-awake"}, set(placed)
         assert all(cpus == {scheduler_cpu} for cpus, _ in placed["scheduler"]), placed["scheduler"]
         assert placed["keep-awake"] == [({scheduler_cpu}, os.SCHED_IDLE)], placed["keep-awake"]
