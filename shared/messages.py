@@ -40,6 +40,11 @@ class SamplingParams(Frozen):
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
     ignore_eos: bool = False  # benchmarks force output lengths
 
+    @property
+    def has_penalty(self) -> bool:
+        """Whether a token's logit depends on the tokens before it (its prompt and output so far)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
 
 class RequestRecord(Frozen):
     """An accepted request, written to Redis by the gateway before it answers."""
@@ -84,6 +89,9 @@ class NewRequest:
     # Prefix caching: hashes of cached blocks the worker holds that are this request's first blocks
     # (its first step starts after them).
     cached_blocks: tuple[bytes, ...] = ()
+    # The tokens those blocks hold, sent only for a request with penalties: its penalty history is
+    # its whole prompt and output, and the worker is fed only what follows the cached blocks.
+    cached_token_ids: tuple[int, ...] = ()
     # Token entries the worker writes itself (docs/protocol.md, "Token entries from the workers"):
     # those of output indexes first_output_index .. entries_below - 2 that end nothing (the token at
     # entries_below - 1 ends the request by length: the scheduler writes it, with the finish). 0:
@@ -204,8 +212,16 @@ class WorkerInfo(Frozen):
     model: str = ""
     weights_sha256: str = ""
     kv_bytes_per_token: int = Field(0, ge=0)
+    kv_dtype: str = ""  # its KV cache's element type ("emulated" for the emulated executor)
     # A worker group's pipeline stages: it runs that many plans at once, each on different requests.
     pipeline_stages: int = Field(1, ge=1, le=64)
+
+    @property
+    def kv_identity(self) -> str:
+        """What, beside the tokens and the block size, makes the KV of its cached blocks: part of
+        their hashes (services/scheduler/prefix_cache.py), so two workers that would compute a
+        block's KV differently never share a name for it."""
+        return f"{self.executor}:{self.weights_sha256}:{self.kv_dtype}"
 
 
 class SchedulerInfo(Frozen):

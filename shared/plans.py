@@ -30,7 +30,8 @@ once for N worker-iterations.
 
 Prefix caching adds three fields, all empty when it is off: blocks to register (handles, block
 indexes, hashes), hashes of blocks to evict, and on a new request the hashes of the cached blocks
-it starts with (hashes are 16 bytes each, concatenated).
+it starts with (hashes are 16 bytes each, concatenated) and, for a request with penalties only,
+the tokens those blocks hold (its penalty history starts with them).
 """
 
 from collections.abc import Iterable, Sequence
@@ -46,7 +47,7 @@ from shared.messages import (BatchPlan, ItemError, NewRequest, PlanResult, Sampl
                              from_fields)
 from shared.wire import WireError
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 MAX_HANDLE = 65535  # handles are uint16 on the wire
 MAX_INDEX = 2**31
 MAX_STEPS = 16  # steps one plan may run (Settings.scheduler_steps)
@@ -174,7 +175,8 @@ class ColumnPlan:
 def encode_plan(plan: ColumnPlan) -> bytes:
     new = []
     for handle, request in zip(plan.new_handles, plan.new_requests, strict=True):
-        entry = [handle, request.request_id, request.sampling.model_dump(mode="python"), b"".join(request.cached_blocks)]
+        entry = [handle, request.request_id, request.sampling.model_dump(mode="python"), b"".join(request.cached_blocks),
+                 _array(request.cached_token_ids, _I32)]
         if request.entries_below:
             entry += [request.entries_below, request.first_output_index, _array(request.text_context, _I32)]
         new.append(entry)
@@ -503,11 +505,12 @@ class PlanReader:
                 freed.append(request_id)
         new = []
         for entry in _field(raw, kind, "n", list, []):
-            if not (isinstance(entry, list) and len(entry) in (4, 7) and isinstance(entry[0], int)
+            if not (isinstance(entry, list) and len(entry) in (5, 8) and isinstance(entry[0], int)
                     and 0 <= entry[0] <= MAX_HANDLE and valid_request_id(entry[1]) and isinstance(entry[2], dict)):
                 raise WireError(f"{kind}: malformed new request")
             cached_blocks = _hashes(entry[3], kind, "n")
-            entries_below, first_output_index, text_context = _token_entries(entry[4:], kind)
+            cached_token_ids = tuple(_ints({"n": entry[4]}, kind, "n", _I32).tolist())
+            entries_below, first_output_index, text_context = _token_entries(entry[5:], kind)
             try:
                 sampling = SamplingParams.model_validate(entry[2])
             except Exception as error:  # pydantic's ValidationError: a request's data, once per request
@@ -519,7 +522,8 @@ class PlanReader:
             self._request_of[handle] = request_id
             self._handle_of[request_id] = handle
             new.append(NewRequest(request_id=request_id, sampling=sampling, cached_blocks=cached_blocks,
-                                  entries_below=entries_below, first_output_index=first_output_index,
+                                  cached_token_ids=cached_token_ids, entries_below=entries_below,
+                                  first_output_index=first_output_index,
                                   text_context=text_context))
         items, item_handles, unknown = [], [], []
         decode_handles = _ints(raw, kind, "dh", _U16, 0, MAX_HANDLE + 1)

@@ -17,7 +17,7 @@ from services.worker.hardware import load_profile
 from services.worker.kv_cache import BlockTables, CacheMismatch
 from services.worker.service import plan_result
 from shared.messages import BatchPlan, NewRequest, RequestRecord, SamplingParams
-from tests.engine_helpers import TINY_CONFIG, generate_alone, tiny_engine
+from tests.engine_helpers import TINY_CONFIG, generate_alone, prefill_item, tiny_engine
 from tests.requirements import import_or_skip
 
 BLOCK = 4
@@ -50,11 +50,11 @@ class Cluster:
             self.policy.worker_up(worker_id, executor.kv_cache.blocks_total, executor.kv_cache.block_size)
         self.arrivals = 0
 
-    def add(self, request_id: str, prompt, max_tokens: int) -> None:
+    def add(self, request_id: str, prompt, max_tokens: int, **sampling) -> None:
         self.arrivals += 1
         self.states[request_id] = self.policy.add_request(RequestRecord(
             request_id=request_id, prompt_token_ids=tuple(prompt), arrival_time=float(self.arrivals),
-            sampling=SamplingParams(max_tokens=max_tokens, seed=self.arrivals, ignore_eos=True)))
+            sampling=SamplingParams(max_tokens=max_tokens, seed=self.arrivals, ignore_eos=True, **sampling)))
 
     def plan(self, worker_id: str) -> None:
         while (plan := self.policy.next_plan(worker_id)) is not None:
@@ -195,6 +195,39 @@ def test_the_schedulers_copy_equals_every_workers_cache_through_a_random_history
                 assert state.output_token_ids == expected, request_id
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_workers_of_different_block_sizes_never_take_each_others_names_for_kv(seed):
+    """Two workers of one model with block sizes 4 and 8: a request's block hashes are computed per
+    kind of worker cache (the block size is in their root), so a request placed on one worker, its
+    prefix looked up on both, or moved between them when a worker dies never adopts a block that
+    holds other tokens than its own. Every request that runs to its end has its greedy tokens alone.
+    (With one chain per request extended at whichever block size came first, a request sharing 4
+    tokens with another adopted its 8-token block: seeds 0 and 2 failed.)"""
+    rng = random.Random(seed)
+    cluster = Cluster({"w4": tiny_engine(kv_blocks=40, kv_block_size=4, max_batch_size=16),
+                       "w8": tiny_engine(kv_blocks=20, kv_block_size=8, max_batch_size=16)},
+                      placement="cache-aware", placement_threshold=0.0, placement_slack=3)
+    assert cluster.policy.worker("w4").cache_root != cluster.policy.worker("w8").cache_root
+    vocab = TINY_CONFIG.vocab_size
+    stems = [[rng.randrange(vocab) for _ in range(4)] for _ in range(2)]
+    prefixes = [stem + [rng.randrange(vocab) for _ in range(rng.choice((4, 8, 12)))] for stem in stems for _ in range(3)]
+    for step in range(120):
+        if rng.random() < 0.4:
+            prompt = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+            cluster.add(f"r{step}", prompt, rng.randint(1, 8))
+        if step in (40, 80):
+            cluster.kill(rng.choice(["w4", "w8"]))
+        cluster.tick()
+    cluster.drain()
+    cluster.assert_nothing_held()
+    assert cluster.policy.prefix_cache_hit_tokens > 0, "no request found its prefix cached"
+    alone = tiny_engine(kv_blocks=64, kv_block_size=4)
+    for request_id, state in cluster.states.items():
+        assert state.finish_reason == "length"
+        expected = generate_alone(alone, request_id, list(state.prompt_token_ids), state.sampling.max_tokens)
+        assert state.output_token_ids == expected, request_id
+
+
 def test_shared_blocks_outlive_a_cancelled_request_and_are_evicted_least_recently_used_first():
     """a and b share a two-block prefix; a is cancelled mid-decode, b finishes exactly as alone;
     then every block is cached and idle, and a pool-filling request evicts them oldest first."""
@@ -208,7 +241,7 @@ def test_shared_blocks_outlive_a_cancelled_request_and_are_evicted_least_recentl
     for _ in range(2):
         cluster.tick()
     worker = cluster.policy.worker("w")
-    chain = cluster.states["b"].block_chain[:2]
+    chain = cluster.states["b"].block_chain(worker.cache_root)[:2]
     assert cluster.states["b"].adopted_blocks == 2 and [worker.cache.references[h] for h in chain] == [2, 2]
     cluster.policy.cancel("a")
     cluster.tick()
@@ -218,7 +251,7 @@ def test_shared_blocks_outlive_a_cancelled_request_and_are_evicted_least_recentl
     assert cluster.output("b") == generate_alone(tiny_engine(kv_blocks=12, kv_block_size=BLOCK), "b", prefix + [3], 6)
     cluster.assert_nothing_held()
     idle_order = list(worker.cache.idle)  # least recently used first
-    a_only = [h for h in idle_order if h not in cluster.states["b"].block_chain]
+    a_only = [h for h in idle_order if h not in cluster.states["b"].block_chain(worker.cache_root)]
     assert idle_order[: len(a_only)] == a_only, "a's own blocks (released first) are the oldest"
     cached = engine.kv_cache.blocks_cached
     assert cached >= 4
@@ -264,6 +297,79 @@ def test_a_prompt_cached_whole_still_feeds_its_last_token_to_sample_from():
     assert cluster.states["again"].cached_tokens == 2 * BLOCK
     assert cluster.output("again") == cluster.output("once")
     cluster.assert_nothing_held()
+
+
+PENALTIES = {"repetition_penalty": 1.5, "frequency_penalty": 0.8, "presence_penalty": 0.6}
+
+
+def test_penalties_count_the_whole_prompt_and_output_whatever_the_cache_preemption_or_a_dead_worker_did():
+    """Greedy requests with all three penalties sample what they sample alone on an empty cache when
+    their prompt comes from the cache (warm), when a preemption rebuilds them from cached blocks
+    of their prompt and output, and when their worker dies and another holding their prefix takes
+    them: the worker's penalty history is the whole prompt and output, not only the tokens fed to
+    it (the cached blocks' tokens come with the request: NewRequest.cached_token_ids)."""
+    prompt = [7, 8, 9, 7, 8, 9, 10, 11, 7, 8, 9, 12, 13]  # repeats: repetition_penalty has work to do
+
+    def alone(prompt: list[int], max_tokens: int, penalties: dict) -> list[int]:
+        return generate_alone(tiny_engine(kv_blocks=64, kv_block_size=BLOCK), "x", prompt, max_tokens,
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True, **penalties))
+
+    expected = alone(prompt, 24, PENALTIES)
+    assert expected != alone(prompt, 24, {}), "the penalties change nothing here: the test would prove nothing"
+    # Warm: the second request adopts all the prompt's full blocks.
+    cluster = Cluster({"w": tiny_engine(kv_blocks=40, kv_block_size=BLOCK)})
+    cluster.add("cold", prompt, 24, **PENALTIES)
+    cluster.drain()
+    cluster.add("warm", prompt, 24, **PENALTIES)
+    cluster.drain()
+    assert cluster.states["warm"].cached_tokens == 3 * BLOCK
+    assert cluster.output("cold") == cluster.output("warm") == expected
+    # Preempted: a pool too small for two, the younger rebuilt from its cached prompt and output.
+    cluster = Cluster({"w": tiny_engine(kv_blocks=16, kv_block_size=BLOCK)}, pipeline_depth=1)
+    cluster.add("older", list(range(100, 113)), 30, **PENALTIES)
+    cluster.add("younger", prompt, 24, **PENALTIES)
+    cluster.drain()
+    rebuilt = [new for plan in cluster.plans for new in plan.new_requests if new.request_id == "younger"]
+    assert len(rebuilt) >= 2 and any(len(new.cached_token_ids) > len(prompt) for new in rebuilt), \
+        "never rebuilt from cached blocks holding some of its output"
+    assert cluster.output("younger") == expected
+    # Its worker dies mid-output; the other worker holds its prompt's blocks (an earlier request's).
+    cluster = Cluster({"w0": tiny_engine(kv_blocks=40, kv_block_size=BLOCK),
+                       "w1": tiny_engine(kv_blocks=40, kv_block_size=BLOCK)}, placement="least-loaded")
+    cluster.add("primer0", prompt + [15], 2, **PENALTIES)  # one on each worker
+    cluster.add("primer1", prompt + [16], 2, **PENALTIES)
+    cluster.drain()
+    assert all(len(cluster.policy.worker(worker_id).cache) >= 3 for worker_id in ("w0", "w1"))
+    cluster.add("moved", prompt + [14], 24, **PENALTIES)
+    for _ in range(8):
+        cluster.tick()
+    dead = cluster.states["moved"].worker_id
+    assert dead is not None and 0 < len(cluster.output("moved")) < 24
+    cluster.kill(dead)
+    cluster.drain()
+    assert cluster.states["moved"].cached_tokens > 0
+    assert cluster.output("moved") == alone(prompt + [14], 24, PENALTIES)
+    cluster.assert_nothing_held()
+
+
+def test_an_item_whose_penalty_history_would_have_a_gap_is_refused_not_run():
+    """A request with penalties adopting cached blocks without their tokens (a scheduler that did
+    not send them) would be penalised over part of its history: the engine refuses its item."""
+    engine = tiny_engine(kv_blocks=16, kv_block_size=BLOCK)
+    engine.add_request("a", SamplingParams(max_tokens=4))
+    engine.step([prefill_item("a", list(range(20, 29)))])
+    engine.take_plan(BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w", register_blocks=(
+        ("a", 0, b"p" * 16), ("a", 1, b"q" * 16)), free_request_ids=("a",)))
+    engine.take_plan(BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w", new_requests=(
+        NewRequest(request_id="b", sampling=SamplingParams(max_tokens=4, **PENALTIES),
+                   cached_blocks=(b"p" * 16, b"q" * 16)),)))
+    outcome = engine.step([prefill_item("b", [28], start=8)])
+    assert not outcome.tokens and [(error.request_id, error.code) for error in outcome.errors] == [("b", "bad_item")]
+    assert "penalty history" in outcome.errors[0].message
+    with pytest.raises(CacheMismatch):  # tokens that do not fill the blocks: the plan is refused
+        engine.take_plan(BatchPlan(scheduler_epoch="e", plan_id=3, worker_id="w", new_requests=(
+            NewRequest(request_id="c", sampling=SamplingParams(max_tokens=4, **PENALTIES),
+                       cached_blocks=(b"p" * 16,), cached_token_ids=(1, 2)),)))
 
 
 def test_without_prefix_caching_nothing_is_registered_or_adopted():

@@ -85,7 +85,8 @@ class WorkerLiveness:
                 log.warning("worker_restarted worker_id=%s", worker_id)
                 self.policy.worker_down(worker_id)
             if worker_id not in self.policy.worker_ids:
-                self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size, info.pipeline_stages)
+                self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size, info.pipeline_stages,
+                                      info.kv_identity)
             self._started_at[worker_id] = info.started_at
             self.policy.set_draining(worker_id, info.draining)
 

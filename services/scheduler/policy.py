@@ -177,7 +177,7 @@ class SchedulerPolicy:
             raise ValueError(f"unknown placement {placement!r}")
         self.prefix_caching, self.placement, self.placement_slack = prefix_caching, placement, placement_slack
         self.placement_threshold = placement_threshold
-        self._root_hash = root_hash(cache_salt)
+        self.cache_salt = cache_salt
         # Prefix-cache queries and hits, in prompt (and rebuilt output) tokens, at every admission.
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -316,19 +316,24 @@ class SchedulerPolicy:
 
     # Workers
 
-    def worker_up(self, worker_id: str, kv_blocks_total: int, kv_block_size: int, stages: int = 1) -> None:
+    def worker_up(self, worker_id: str, kv_blocks_total: int, kv_block_size: int, stages: int = 1,
+                  kv_identity: str = "") -> None:
+        """kv_identity: what else makes the KV of a block of tokens on this worker (its weights'
+        hash and KV dtype: WorkerInfo.kv_identity); it and the block size are in its blocks' hashes."""
+        cache_root = root_hash(f"{self.cache_salt}\0{kv_block_size}\0{kv_identity}")
         worker = self._workers.get(worker_id)
         if worker is not None:
-            if (worker.kv_blocks_total, worker.kv_block_size, worker.stages) == (kv_blocks_total, kv_block_size,
-                                                                                 stages):
+            if (worker.kv_blocks_total, worker.kv_block_size, worker.stages, worker.cache_root) == (
+                    kv_blocks_total, kv_block_size, stages, cache_root):
                 return
             self.worker_down(worker_id)  # a different cache: a different worker under the same name
         # Its first plan says free_all: back after being given up on (e.g. heartbeats lost in a Redis
         # outage) it may still hold KV of requests that moved on; it holds nothing of ours yet.
-        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size, free_all=True, stages=stages)
+        worker = WorkerState(worker_id, kv_blocks_total, kv_block_size, cache_root=cache_root, free_all=True,
+                             stages=stages)
         self._workers[worker_id] = worker
-        log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d stages=%d",
-                 worker_id, kv_blocks_total, kv_block_size, stages)
+        log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d stages=%d kv_identity=%s",
+                 worker_id, kv_blocks_total, kv_block_size, stages, kv_identity or "-")
 
     @property
     def max_depth(self) -> int:
@@ -829,7 +834,7 @@ class SchedulerPolicy:
                                                  target_count + 1)
                     continue
             cached = self._cached_prefix(worker, state)
-            idle_cached = worker.cache.idle_among(state.block_chain[:cached]) if cached else 0
+            idle_cached = worker.cache.idle_among(state.block_chain(worker.cache_root)[:cached]) if cached else 0
             if blocks - cached > worker.kv_blocks_available - idle_cached:
                 break  # the next waiting request waits for room; the ones after it do not overtake it
             self._admit(batch, state, blocks, cached)
@@ -840,8 +845,9 @@ class SchedulerPolicy:
         if not self.prefix_caching or not worker.cache:
             return 0
         limit = (state.total_tokens - 1) // worker.kv_block_size
-        extend_chain(state.block_chain, self._root_hash, state.tokens, worker.kv_block_size, limit)
-        return worker.cache.match(state.block_chain, limit)
+        chain = state.block_chain(worker.cache_root)
+        extend_chain(chain, worker.cache_root, state.tokens, worker.kv_block_size, limit)
+        return worker.cache.match(chain, limit)
 
     def _admission_target(self, state: RequestState, planning: WorkerState,
                           claimed: dict[str, tuple[int, int]]) -> tuple[WorkerState | None, bool]:
@@ -884,7 +890,7 @@ class SchedulerPolicy:
         """Start a request on the batch's worker, after the `cached` first blocks it finds there."""
         worker = batch.worker
         self._dequeue(state)
-        hashes = state.block_chain[:cached]
+        hashes = state.block_chain(worker.cache_root)[:cached]
         worker.cache.acquire(hashes)
         state.held_hashes, state.adopted_blocks = list(hashes), cached
         cached_tokens = cached * worker.kv_block_size
@@ -1007,7 +1013,7 @@ class SchedulerPolicy:
             plan_id=self._next_plan_id,
             worker_id=worker.worker_id,
             free_all=worker.free_all,
-            new_requests=tuple([self._new_request(state) for state in new_states]),
+            new_requests=tuple([self._new_request(worker, state) for state in new_states]),
             new_handles=tuple([state.row for state in new_states]),
             free_request_ids=tuple(worker.to_free),
             free_handles=tuple(worker.to_free.values()),
@@ -1067,14 +1073,18 @@ class SchedulerPolicy:
         here) or logprobs (they travel in the result)."""
         return self._text_context is not None and not sampling.stop and sampling.logprobs < 0
 
-    def _new_request(self, state: RequestState) -> NewRequest:
-        """A request's data for a worker that does not hold it yet."""
+    def _new_request(self, worker: WorkerState, state: RequestState) -> NewRequest:
+        """A request's data for a worker that does not hold it yet (with penalties, the tokens of the
+        cached blocks it starts with: they are part of its penalty history, and are not fed)."""
         cached_blocks = tuple(state.held_hashes[: state.adopted_blocks])
+        cached_token_ids = (state.tokens(0, len(cached_blocks) * worker.kv_block_size)
+                            if cached_blocks and state.sampling.has_penalty else ())
         if not state.workers_write:
-            return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks)
+            return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
+                              cached_token_ids=cached_token_ids)
         outputs = state.output_token_ids
         return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
-                          entries_below=max(len(outputs), state.output_limit),
+                          cached_token_ids=cached_token_ids, entries_below=max(len(outputs), state.output_limit),
                           first_output_index=len(outputs),
                           text_context=self._text_context(state.prompt_token_ids, outputs))
 
@@ -1129,9 +1139,10 @@ class SchedulerPolicy:
         stays the request's)."""
         block_size = worker.kv_block_size
         full = end // block_size
-        extend_chain(state.block_chain, self._root_hash, state.tokens, block_size, full)
+        chain = state.block_chain(worker.cache_root)
+        extend_chain(chain, worker.cache_root, state.tokens, block_size, full)
         for index in range(len(state.held_hashes), full):
-            block_hash = state.block_chain[index]
+            block_hash = chain[index]
             if worker.cache.add(block_hash):
                 state.held_hashes.append(block_hash)
                 worker.kv_blocks_reserved -= 1  # its own block is now the cache's, held by it

@@ -24,10 +24,12 @@ class RequestState:
     in_flight_samples: int = 0  # tokens it samples in plans sent but not answered yet
     row: int = -1  # its row on that worker (RunningRows): its handle in that worker's plans
     kv_blocks: int = 0  # KV blocks reserved for it on that worker (its own and shared cached ones)
-    # Prefix caching: the hashes of its full known blocks (a function of its tokens: kept when it
-    # moves), and on its current worker the hash of each of its blocks registered in that worker's
-    # cache (None: its own); the first `adopted_blocks` came from the cache when it was admitted.
-    block_chain: list[bytes] = field(default_factory=list)
+    # Prefix caching: the hashes of its full known blocks, one chain per kind of worker cache (its
+    # root: WorkerState.cache_root, which says the block size and what else makes the blocks' KV), a
+    # function of its tokens kept when it moves; and on its current worker the hash of each of its
+    # blocks registered in that worker's cache (None: its own); the first `adopted_blocks` came
+    # from the cache when it was admitted.
+    block_chains: dict[bytes, list[bytes]] = field(default_factory=dict)
     held_hashes: list[bytes | None] = field(default_factory=list)
     adopted_blocks: int = 0
     cached_tokens: int | None = None  # prompt tokens found cached when it was first admitted (usage)
@@ -81,6 +83,13 @@ class RequestState:
     @property
     def is_active(self) -> bool:
         return self.status in ("waiting", "running")
+
+    def block_chain(self, root: bytes) -> list[bytes]:
+        """Its chain of block hashes under a cache root (as far as it was extended: extend_chain)."""
+        chain = self.block_chains.get(root)
+        if chain is None:
+            chain = self.block_chains[root] = []
+        return chain
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens [start, end) of prompt + output, without joining the two."""
@@ -137,6 +146,10 @@ class WorkerState:
     worker_id: str
     kv_blocks_total: int
     kv_block_size: int
+    # The root of its cache's block hashes: the model, the block size and what else makes a block's
+    # KV (the weights, the KV dtype: WorkerInfo). Workers whose blocks of the same tokens may differ
+    # name them differently, so a request's chain for one is never matched against another.
+    cache_root: bytes = b""
     draining: bool = False  # takes no new requests
     free_all: bool = False  # its next plan tells it to drop all its KV first (set when it comes up)
     running: dict[str, RequestState] = field(default_factory=dict)  # in admission order

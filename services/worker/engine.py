@@ -28,7 +28,7 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
 from services.worker.sampler import PenaltyHistory, sample
 from services.worker.sampling_table import SamplingTable
-from services.worker.rows import RequestRows, StepColumns, StepOutcome, TokenLogprobs, has_penalty
+from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
 from services.worker.staging import Staging
 from shared.model_file import ModelConfig
 
@@ -185,12 +185,12 @@ class Engine(RequestRows):
 
     # Requests (the rows themselves: services/worker/rows.py)
 
-    def _row_added(self, row: int, sampling: "SamplingParams") -> None:
+    def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         self._sampling.set(row, sampling)
-        if has_penalty(sampling):
-            self._fed.setdefault(row, [])
-        else:
+        if not sampling.has_penalty:
             self._fed.pop(row, None)
+        elif history or row not in self._fed:
+            self._fed[row] = list(history)  # its cached prefix's tokens: the rest is fed
 
     def _row_freed(self, row: int) -> None:
         self._fed.pop(row, None)
@@ -210,6 +210,8 @@ class Engine(RequestRows):
     def step(self, items: Sequence["StepItem"], return_logits: bool = False) -> StepOutcome:
         started = time.perf_counter()
         outcome = StepOutcome()
+        if self._fed:
+            items = self._with_whole_history(items, outcome)
         columns = self.columns(items, outcome)
         if columns is not None:
             self._run(columns, outcome, return_logits)
@@ -319,6 +321,22 @@ class Engine(RequestRows):
         if return_logits:
             for index, request_id in enumerate(request_ids):
                 outcome.logits[request_id] = logits[index].float().cpu()
+
+    def _with_whole_history(self, items: Sequence["StepItem"], outcome: StepOutcome) -> Sequence["StepItem"]:
+        """The items, but those of rows with penalties whose history would have a gap (tokens before
+        the item's start that the row was neither fed nor given): a penalty over part of a request's
+        tokens is a wrong output, so such an item is refused (the scheduler rebuilds the request)."""
+        kept = []
+        for item in items:
+            row = self._row_of.get(item.request_id)
+            fed = self._fed.get(row) if row is not None else None
+            if fed is not None and item.start_position > len(fed):
+                outcome.errors.append(ItemRefusal(
+                    item.request_id, "bad_item", f"its penalty history holds {len(fed)} tokens, but the item starts "
+                                                 f"at {item.start_position}"))
+                continue
+            kept.append(item)
+        return kept
 
     def _remember_fed(self, columns: StepColumns) -> None:
         """Rows with penalties keep every token fed: their prompt and output so far."""

@@ -67,8 +67,9 @@ class RequestRows:
         self._row_serial = np.zeros(self.max_rows, dtype=np.int64)
         self._serials_given = 0
 
-    def add_request(self, request_id: str, sampling: "SamplingParams") -> None:
-        """Give a request a row (or new sampling parameters, if it has one)."""
+    def add_request(self, request_id: str, sampling: "SamplingParams", history: Sequence[int] = ()) -> None:
+        """Give a request a row (or new sampling parameters, if it has one). history: its tokens the
+        worker will not be fed (those of the cached blocks it starts with: NewRequest.cached_token_ids)."""
         row = self._row_of.get(request_id)
         if row is None:
             if not self._free_rows:
@@ -81,10 +82,10 @@ class RequestRows:
             self._row_serial[row] = self._serials_given
         self._refused.pop(request_id, None)
         self._params[row] = sampling
-        self._row_added(row, sampling)
+        self._row_added(row, sampling, history)
 
-    def _row_added(self, row: int, sampling: "SamplingParams") -> None:
-        """A row has (new) sampling parameters."""
+    def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
+        """A row has (new) sampling parameters, and its tokens before the first it will be fed."""
 
     def free(self, request_id: str) -> None:
         """Forget a request and return its KV blocks to the pool (harmless when unknown)."""
@@ -115,8 +116,12 @@ class RequestRows:
         for request_id in plan.free_request_ids:
             self.free(request_id)
         self.kv_cache.evict(list(plan.evict_blocks))
+        block_size = self.kv_cache.block_size
         for new in plan.new_requests:
-            self.add_request(new.request_id, new.sampling)
+            if new.cached_token_ids and len(new.cached_token_ids) != len(new.cached_blocks) * block_size:
+                raise CacheMismatch(f"request {new.request_id!r} starts with {len(new.cached_blocks)} cached blocks "
+                                    f"said to hold {len(new.cached_token_ids)} tokens")
+            self.add_request(new.request_id, new.sampling, new.cached_token_ids)
             row = self._row_of.get(new.request_id)
             if row is not None and new.cached_blocks:  # (a request refused a row has its items refused)
                 self.kv_cache.adopt(row, list(new.cached_blocks))
@@ -244,6 +249,3 @@ class StepColumns:
             self.fed_tokens.append(item.token_ids)
 
 
-def has_penalty(params: "SamplingParams") -> bool:
-    return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
-            or getattr(params, "repetition_penalty", 1.0) != 1)

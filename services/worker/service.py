@@ -122,6 +122,8 @@ class Worker:
         self.model_name, self.keys = served.name, served.keys
         self.weights_sha256 = weights_sha256(load_metadata(settings.model))
         self.token_writer = TokenWriter(Tokenizer.load(settings.model))  # the token entries it writes
+        keys_tensor = getattr(engine.kv_cache, "keys", None)
+        self.kv_dtype = "emulated" if keys_tensor is None else str(keys_tensor.dtype).removeprefix("torch.")
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_cache
@@ -133,6 +135,7 @@ class Worker:
             hardware=self.engine.profile.name if self.engine.executor == "emulated" else "",
             busy_seconds=self.busy_seconds, model=self.model_name, weights_sha256=self.weights_sha256,
             kv_bytes_per_token=getattr(self.engine, "kv_bytes_per_token", 0), pipeline_stages=self.stages,
+            kv_dtype=self.kv_dtype,
         )
 
     async def beat(self) -> None:
