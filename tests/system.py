@@ -13,8 +13,8 @@ __all__ = ["REPO", "System", "assert_emulated_completion"]
 
 def assert_emulated_completion(url: str, seed: int = 42, max_tokens: int = 6) -> None:
     """A sampled completion from a system of EMULATED workers is exactly the tokens derived from
-    (seed, output index), whichever worker ran it."""
-    from services.worker.emulated import emulated_token
+    its seed and its prompt (services/worker/emulated.py emulated_tokens), whichever worker ran it."""
+    from services.worker.emulated import emulated_tokens
     from shared.tokenizer import Tokenizer
 
     body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": max_tokens,
@@ -23,7 +23,8 @@ def assert_emulated_completion(url: str, seed: int = 42, max_tokens: int = 6) ->
     with urllib.request.urlopen(request, timeout=60) as response:
         answer = json.loads(response.read())
     tokenizer = Tokenizer.load()
-    expected = tokenizer.decode([emulated_token(seed, index, tokenizer.vocab_size) for index in range(max_tokens)])
+    expected = tokenizer.decode(emulated_tokens(seed, tokenizer.encode_prompt("Hello there"), max_tokens,
+                                                tokenizer.vocab_size))
     assert answer["choices"][0]["text"] == expected, (answer["choices"][0]["text"], expected)
 
 

@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 
 from services.scheduler.policy import SchedulerPolicy
-from services.worker.emulated import FIRST_TOKEN, EmulatedEngine, emulated_token
+from services.worker.emulated import FIRST_TOKEN, EmulatedEngine, context_digest, emulated_token, emulated_tokens
 from services.worker.hardware import ProfileError, known_profiles, load_profile, parse_profile
-from shared.messages import PlanResult, RequestRecord, SampledToken, SamplingParams, StepItem
+from shared.messages import BatchPlan, NewRequest, PlanResult, RequestRecord, SampledToken, SamplingParams, StepItem
 from tests.engine_helpers import TINY_CONFIG, tiny_engine
 
 TOY = {  # round numbers, to compute by hand
@@ -88,7 +88,7 @@ def emulated(kv_blocks: int = 64, block_size: int = 4, vocab_size: int = 256) ->
                           sleep=lambda seconds: None)
 
 
-def test_emulated_tokens_depend_on_seed_and_index_only_whatever_the_batch():
+def test_emulated_tokens_depend_on_seed_index_and_context_only_whatever_the_batch():
     engine = emulated()
     seeds = [11, 12, 13, 14, 15]
     for index, seed in enumerate(seeds):
@@ -97,10 +97,57 @@ def test_emulated_tokens_depend_on_seed_and_index_only_whatever_the_batch():
                                   output_index=0)])
     together = engine.step([StepItem(request_id=f"r{index}", token_ids=(1, 2), start_position=0, sample=True,
                                      output_index=0) for index in range(1, 5)])
-    assert alone.tokens["r0"] == emulated_token(11, 0, 256)
-    assert [together.tokens[f"r{index}"] for index in range(1, 5)] == [emulated_token(seed, 0, 256) for seed in seeds[1:]]
+    assert alone.tokens["r0"] == emulated_token(11, 0, 256, context_digest([1, 2, 3])) == \
+        emulated_tokens(11, [1, 2, 3], 1, 256)[0]
+    assert [together.tokens[f"r{index}"] for index in range(1, 5)] == [emulated_tokens(seed, [1, 2], 1, 256)[0]
+                                                                       for seed in seeds[1:]]
     assert len({emulated_token(seed, index, 256) for seed in range(20) for index in range(20)}) > 170  # of 239
-    assert all(FIRST_TOKEN <= emulated_token(seed, 3, 256) < 256 for seed in range(1000))
+    assert all(FIRST_TOKEN <= emulated_token(seed, 3, 256, digest) < 256 for seed in range(300)
+               for digest in (0, 2**64 - 1))
+    # The context is the tokens and their places: one changed, moved or missing changes the digest.
+    digests = {context_digest(tokens) for tokens in ([1, 2, 3], [1, 2, 4], [2, 1, 3], [1, 2], [1, 2, 3, 0])}
+    assert len(digests) == 5
+
+
+def test_a_kv_fault_changes_emulated_tokens_as_it_would_a_models():
+    """The emulated executor's tokens come from what its KV blocks hold: a prompt prefilled in two
+    chunks or a block adopted from the prefix cache (holding the same tokens) gives the tokens of
+    emulated_tokens; a cached block adopted that holds other tokens, or a block overwritten under a
+    request, gives others."""
+    prompt = list(range(30, 42))  # 3 blocks of 4
+    expected = emulated_tokens(5, prompt, 3, 256)
+
+    def run(engine, request_id: str, start: int, output_index: int = 0) -> int:
+        return engine.step([StepItem(request_id, tuple(prompt[start:]), start, True, output_index)]).tokens[request_id]
+
+    engine = emulated()
+    engine.add_request("a", SamplingParams(seed=5, max_tokens=3))
+    engine.step([StepItem("a", tuple(prompt[:5]), 0, False, 0)])
+    assert run(engine, "a", 5) == expected[0]
+    decoded = engine.step([StepItem("a", (expected[0],), len(prompt), True, 1)]).tokens["a"]
+    assert decoded == expected[1]
+    engine.take_plan(BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w", register_blocks=(
+        ("a", 0, b"0" * 16), ("a", 1, b"1" * 16)), free_request_ids=("a",)))
+    engine.take_plan(BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w", new_requests=(
+        NewRequest(request_id="b", sampling=SamplingParams(seed=5, max_tokens=3), cached_blocks=(b"0" * 16, b"1" * 16)),
+    )))
+    assert run(engine, "b", 8) == expected[0]  # the same tokens in the cached blocks: the same output
+    # Another prompt's blocks under this prompt's names (what a wrong hash would do): another output.
+    other = emulated()
+    other.add_request("c", SamplingParams(seed=5, max_tokens=3))
+    other.step([StepItem("c", tuple(range(60, 72)), 0, True, 0)])
+    other.take_plan(BatchPlan(scheduler_epoch="e", plan_id=1, worker_id="w", register_blocks=(
+        ("c", 0, b"0" * 16), ("c", 1, b"1" * 16)), free_request_ids=("c",)))
+    other.take_plan(BatchPlan(scheduler_epoch="e", plan_id=2, worker_id="w", new_requests=(
+        NewRequest(request_id="d", sampling=SamplingParams(seed=5, max_tokens=3), cached_blocks=(b"0" * 16, b"1" * 16)),
+    )))
+    assert run(other, "d", 8) != expected[0]
+    # A block of a running request overwritten (a lost block): its next token changes.
+    lost = emulated()
+    lost.add_request("e", SamplingParams(seed=5, max_tokens=3))
+    assert run(lost, "e", 0) == expected[0]
+    lost.kv_cache.block_sums[lost.kv_cache.block_table(lost.row("e"))[1]] += 1
+    assert lost.step([StepItem("e", (expected[0],), len(prompt), True, 1)]).tokens["e"] != expected[1]
 
 
 def test_emulated_steps_take_the_profiles_time():
@@ -214,8 +261,8 @@ def test_plans_as_long_as_the_plan_time_allows_on_workers_of_fast_steps():
                 break
             time.sleep(0.2)
     tokenizer = Tokenizer.load()
-    assert texts == [tokenizer.decode([emulated_token(seed, index, tokenizer.vocab_size) for index in range(length)])
-                     for seed in seeds]
+    assert texts == [tokenizer.decode(emulated_tokens(seed, tokenizer.encode_prompt(f"Count to {seed}"), length,
+                                                      tokenizer.vocab_size)) for seed in seeds]
     # (the plans of prompts run one step each, and the first plan runs one before a step is measured)
     steps_a_plan = scheduler["iterations"] / scheduler["plans"]
     assert 1.4 < steps_a_plan <= 4, scheduler
@@ -341,8 +388,9 @@ async def test_a_worker_runs_the_plans_read_ahead_back_to_back_and_answers_them_
         await asyncio.wait_for(serving, 10)
     assert [answer.plan_id for answer in answers] == list(range(1, steps + 1))
     assert [[(token.request_id, token.output_index, token.token_id) for token in answer.tokens]
-            for answer in answers] == [[("r1", index, emulated_token(seed, index, engine.vocab_size))]
-                                       for index in range(steps)]
+            for answer in answers] == [[("r1", index, token)]
+                                       for index, token in enumerate(emulated_tokens(seed, prompt, steps,
+                                                                                     engine.vocab_size))]
     assert len(hops) < steps / 2, f"the step thread went back to the loop after most plans: {hops}"
 
 
@@ -417,7 +465,7 @@ async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits
     assert published == [[1, 2], [3, 4], [5, 6], [7, 8], [9]]
     assert [answer.plan_id for answer in answers] == list(range(1, steps + 1))
     assert [[(token.output_index, token.token_id) for token in answer.tokens] for answer in answers] == \
-        [[(index, emulated_token(seed, index, engine.vocab_size))] for index in range(steps)]
+        [[(index, token)] for index, token in enumerate(emulated_tokens(seed, prompt, steps, engine.vocab_size))]
     # every token's entry but the last (the scheduler's: it ends the request), in order
     assert [entry_id for entry_id, _ in entries] == [f"0-{index + 1}".encode() for index in range(steps - 1)]
 
@@ -474,7 +522,7 @@ async def test_a_plan_of_several_steps_runs_them_all_and_answers_them_in_one_res
     assert [sorted(step) for step in tokens] == [sorted([long_id, short_id])] * 3 + [[long_id]] * 3
     for request_id, seed, count in ((long_id, 11, 6), (short_id, 12, 3)):
         assert [step[request_id] for step in tokens if request_id in step] == \
-            [(index, emulated_token(seed, index, engine.vocab_size)) for index in range(count)]
+            list(enumerate(emulated_tokens(seed, prompt, count, engine.vocab_size)))
         assert [entry_id for entry_id, _ in entries[request_id]] == [f"0-{index + 1}".encode()
                                                                       for index in range(count)]
     assert all(not answer.errors for answer in answers)

@@ -12,7 +12,7 @@ import torch
 
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.prefix_cache import extend_chain, root_hash
-from services.worker.emulated import EmulatedEngine
+from services.worker.emulated import EmulatedEngine, emulated_tokens
 from services.worker.hardware import load_profile
 from services.worker.kv_cache import BlockTables, CacheMismatch
 from services.worker.service import plan_result
@@ -23,14 +23,24 @@ from tests.requirements import import_or_skip
 BLOCK = 4
 
 
-def emulated(kv_blocks: int) -> EmulatedEngine:
-    return EmulatedEngine(load_profile("h100-llama3-8b"), kv_blocks, BLOCK, 16, TINY_CONFIG.vocab_size,
+def emulated(kv_blocks: int, block_size: int = BLOCK) -> EmulatedEngine:
+    return EmulatedEngine(load_profile("h100-llama3-8b"), kv_blocks, block_size, 16, TINY_CONFIG.vocab_size,
                           TINY_CONFIG.context_length, sleep=lambda seconds: None)
 
 
-def make_executor(kind: str, kv_blocks: int):
-    return emulated(kv_blocks) if kind == "emulated" else tiny_engine(kv_blocks=kv_blocks, kv_block_size=BLOCK,
-                                                                      max_batch_size=16)
+def make_executor(kind: str, kv_blocks: int, block_size: int = BLOCK):
+    return emulated(kv_blocks, block_size) if kind == "emulated" else tiny_engine(
+        kv_blocks=kv_blocks, kv_block_size=block_size, max_batch_size=16)
+
+
+def expected_output(kind: str, state) -> list[int]:
+    """What a request that ran to its length gives alone on an empty cache: the tiny model's greedy
+    tokens, or the emulated executor's tokens of its seed and prompt."""
+    if kind == "emulated":
+        return emulated_tokens(state.sampling.seed, state.prompt_token_ids, state.sampling.max_tokens,
+                               TINY_CONFIG.vocab_size)
+    return generate_alone(tiny_engine(kv_blocks=64, kv_block_size=BLOCK), state.request_id,
+                          list(state.prompt_token_ids), state.sampling.max_tokens)
 
 
 class Cluster:
@@ -163,8 +173,8 @@ def test_the_schedulers_copy_equals_every_workers_cache_through_a_random_history
     """Requests sharing a few prefixes arrive, are cancelled at random, preempted (a small pool),
     their cached blocks evicted, a worker dies; at every plan each worker's cache equals the
     scheduler's copy, and at the end every reference is back (nothing in use, the rest cached or
-    free, counted alike on both sides). On the real engine, every request that ran to its end has
-    the greedy tokens it has alone."""
+    free, counted alike on both sides). Every request that ran to its end has the tokens it has
+    alone (the emulated executor's depend on what its KV blocks hold, as the model's do)."""
     rng = random.Random(seed)
     cluster = Cluster({"w0": make_executor(kind, 24), "w1": make_executor(kind, 24)},
                       placement=rng.choice(["cache-aware", "least-loaded"]), placement_slack=2)
@@ -187,25 +197,22 @@ def test_the_schedulers_copy_equals_every_workers_cache_through_a_random_history
     cluster.assert_nothing_held()
     assert cluster.policy.prefix_cache_hit_tokens > 0, "no request found its prefix cached"
     assert any(plan.evict_blocks for plan in cluster.plans), "the pool never had to evict"
-    if kind == "engine":
-        alone = tiny_engine(kv_blocks=64, kv_block_size=BLOCK)
-        for request_id, state in cluster.states.items():
-            if request_id not in cancelled and state.finish_reason == "length":
-                expected = generate_alone(alone, request_id, list(state.prompt_token_ids), state.sampling.max_tokens)
-                assert state.output_token_ids == expected, request_id
+    for request_id, state in cluster.states.items():
+        if request_id not in cancelled and state.finish_reason == "length":
+            assert state.output_token_ids == expected_output(kind, state), request_id
 
 
+@pytest.mark.parametrize("kind", ["emulated", "engine"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_workers_of_different_block_sizes_never_take_each_others_names_for_kv(seed):
+def test_workers_of_different_block_sizes_never_take_each_others_names_for_kv(kind, seed):
     """Two workers of one model with block sizes 4 and 8: a request's block hashes are computed per
     kind of worker cache (the block size is in their root), so a request placed on one worker, its
     prefix looked up on both, or moved between them when a worker dies never adopts a block that
     holds other tokens than its own. Every request that runs to its end has its greedy tokens alone.
     (With one chain per request extended at whichever block size came first, a request sharing 4
-    tokens with another adopted its 8-token block: seeds 0 and 2 failed.)"""
+    tokens with another adopted its 8-token block: seeds 0 and 2 failed, on both executors.)"""
     rng = random.Random(seed)
-    cluster = Cluster({"w4": tiny_engine(kv_blocks=40, kv_block_size=4, max_batch_size=16),
-                       "w8": tiny_engine(kv_blocks=20, kv_block_size=8, max_batch_size=16)},
+    cluster = Cluster({"w4": make_executor(kind, 40, block_size=4), "w8": make_executor(kind, 20, block_size=8)},
                       placement="cache-aware", placement_threshold=0.0, placement_slack=3)
     assert cluster.policy.worker("w4").cache_root != cluster.policy.worker("w8").cache_root
     vocab = TINY_CONFIG.vocab_size
@@ -221,11 +228,9 @@ def test_workers_of_different_block_sizes_never_take_each_others_names_for_kv(se
     cluster.drain()
     cluster.assert_nothing_held()
     assert cluster.policy.prefix_cache_hit_tokens > 0, "no request found its prefix cached"
-    alone = tiny_engine(kv_blocks=64, kv_block_size=4)
     for request_id, state in cluster.states.items():
         assert state.finish_reason == "length"
-        expected = generate_alone(alone, request_id, list(state.prompt_token_ids), state.sampling.max_tokens)
-        assert state.output_token_ids == expected, request_id
+        assert state.output_token_ids == expected_output(kind, state), request_id
 
 
 def test_shared_blocks_outlive_a_cancelled_request_and_are_evicted_least_recently_used_first():
