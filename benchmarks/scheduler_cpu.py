@@ -61,7 +61,7 @@ from services.scheduler.output import RequestOutputs  # noqa: E402
 from services.scheduler.policy import SchedulerPolicy  # noqa: E402
 from services.scheduler.redis_link import RedisLink  # noqa: E402
 from services.worker.token_writer import TokenWriter  # noqa: E402
-from shared import keys  # noqa: E402
+from shared import cache_digest, keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
 from shared.plans import PlanReader, StepAnswers, encode_plan, read_result, read_result_columns  # noqa: E402
@@ -107,6 +107,7 @@ class Harness:
         self.worker_seconds = 0.0  # the worker's side of the wire (PlanReader): reported apart
         self.iterations = 0
         self.batch_sum = 0
+        self.cache_digests = dict.fromkeys(self.worker_ids, 0)  # each worker's prefix cache's, as it would report it
         for worker_id in self.worker_ids:
             self.policy.worker_up(worker_id, kv_blocks_total=4096, kv_block_size=16)
         self.active_target = int(batch * 1.5) * workers
@@ -132,6 +133,7 @@ class Harness:
         started = time.process_time()
         kv_length = lambda request_id: self.kv_lengths.get(request_id, 0)  # noqa: E731
         decoded = reader.decode(data, kv_length, worker_id)
+        self.cache_digests[worker_id] = cache_digest.after_plan(self.cache_digests[worker_id], decoded.plan)
         answers = StepAnswers(reader)
         self.worker_seconds += time.process_time() - started
         while decoded is not None:
@@ -140,7 +142,7 @@ class Harness:
             decoded = reader.next_step(decoded, kv_length)
             self.worker_seconds += time.process_time() - started
         started = time.process_time()
-        result = answers.packed(4096, 1000)
+        result = answers.packed(4096, 1000, 0, self.cache_digests[worker_id])
         self.worker_seconds += time.process_time() - started
         return msgpack.packb({"m": result})
 
@@ -329,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     harness.worker_seconds = 0.0
     harness.iterations = harness.batch_sum = 0
     harness.run(args.iterations)
+    if harness.policy.prefix_cache_mismatches:  # the fake workers' digests are the plans' own: never
+        raise SystemExit(f"{harness.policy.prefix_cache_mismatches} prefix-cache digest mismatches: the run is void")
     per_iteration = {phase: 1e6 * seconds / harness.iterations for phase, seconds in harness.seconds.items()}
     report = {"batch": harness.batch_sum / harness.iterations, "iterations": harness.iterations,
               "us_per_iteration": sum(per_iteration.values()), "phases_us": per_iteration,

@@ -186,6 +186,7 @@ class PlanResult:
     # request, or that it could not); False: it wrote none (the scheduler writes them all).
     entries_written: bool = False
     unwritten: frozenset[str] = frozenset()
+    cache_digest: int | None = None  # of its prefix cache after the plan's commands (shared/cache_digest.py)
 
 
 class WorkerInfo(Frozen):
@@ -243,6 +244,8 @@ class SchedulerInfo(Frozen):
     # Prefix caching: prompt (and rebuilt output) tokens looked up at admissions, and found cached.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Results whose worker's prefix-cache digest differed from its copy's: that worker's cache started over.
+    prefix_cache_mismatches: int = 0
     # Its exact copy of each worker's KV blocks: {worker id: {"in_use", "cached", "free"}}.
     kv_blocks: dict[str, dict[str, int]] = {}
     cpus: list[int] = []  # the CPUs it may run on (Settings.scheduler_cpus pins it)

@@ -230,6 +230,8 @@ class ResultColumns:
     # it was to write and did not (several steps: unwritten_tokens).
     entries_written: bool
     unwritten: list[int]
+    # The worker's prefix-cache digest after the plan's commands (shared/cache_digest.py); None: not sent.
+    cache_digest: int | None = None
     steps: int = 1
     counts: list[int] = field(default_factory=list)  # (several steps) each handle's tokens
     steps_seconds: list[float] = field(default_factory=list)  # (several steps) each step's seconds
@@ -270,6 +272,9 @@ def read_result_columns(raw: dict) -> ResultColumns:
     step_seconds = _field(raw, kind, "s", (int, float))
     if not 0 <= step_seconds < 1e9:
         raise WireError(f"{kind}: step_seconds out of range")
+    cache_digest = _field(raw, kind, "cd", int, None) if "cd" in raw else None
+    if cache_digest is not None and not 0 <= cache_digest < 2**64:
+        raise WireError(f"{kind}: cache digest out of range")
     return ResultColumns(
         scheduler_epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int),
         worker_id=_field(raw, kind, "w", str), handles=handles, token_ids=token_ids, output_indexes=output_indexes,
@@ -277,8 +282,8 @@ def read_result_columns(raw: dict) -> ResultColumns:
         kv_blocks_total=_field(raw, kind, "kt", int), kv_blocks_free=_field(raw, kind, "kf", int),
         kv_blocks_cached=_field(raw, kind, "kc", int, 0), step_seconds=float(step_seconds),
         entries_written=_field(raw, kind, "ew", bool, False),
-        unwritten=_int_list(raw, kind, "eu", _U16), steps=steps, counts=counts, steps_seconds=steps_seconds,
-        unwritten_tokens=unwritten_tokens)
+        unwritten=_int_list(raw, kind, "eu", _U16), cache_digest=cache_digest, steps=steps, counts=counts,
+        steps_seconds=steps_seconds, unwritten_tokens=unwritten_tokens)
 
 
 def split_steps(result: ResultColumns) -> list[ResultColumns]:
@@ -311,7 +316,7 @@ def split_steps(result: ResultColumns) -> list[ResultColumns]:
             handles=handles, token_ids=token_ids, output_indexes=output_indexes, logprobs=step_logprobs,
             errors=tuple(errors_at.get(step, ())), kv_blocks_total=result.kv_blocks_total,
             kv_blocks_free=result.kv_blocks_free, kv_blocks_cached=result.kv_blocks_cached, step_seconds=seconds,
-            entries_written=result.entries_written, unwritten=step_unwritten))
+            entries_written=result.entries_written, unwritten=step_unwritten, cache_digest=result.cache_digest))
     return answers
 
 
@@ -400,7 +405,8 @@ class PlanCodec:
             tokens=tuple(tokens), errors=errors, kv_blocks_total=columns.kv_blocks_total,
             kv_blocks_free=columns.kv_blocks_free, kv_blocks_cached=columns.kv_blocks_cached,
             step_seconds=columns.step_seconds, entries_written=columns.entries_written,
-            unwritten=frozenset(sent[handle] for handle in columns.unwritten if handle in sent))
+            unwritten=frozenset(sent[handle] for handle in columns.unwritten if handle in sent),
+            cache_digest=columns.cache_digest)
 
     def decode_result(self, raw: dict) -> PlanResult:
         """The answer to a plan of one step (decode_results: of any)."""
@@ -600,11 +606,11 @@ class PlanReader:
     def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
                       errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,
                       step_seconds: float, kv_blocks_cached: int = 0,
-                      unwritten: Iterable[str] | None = None) -> bytes:
+                      unwritten: Iterable[str] | None = None, cache_digest: int = 0) -> bytes:
         """The answer to a plan of one step (StepAnswers: of any), as StepAnswers.add takes it."""
         answers = StepAnswers(self)
         answers.add(decoded, tokens, logprobs, errors, step_seconds, unwritten)
-        return answers.packed(kv_blocks_total, kv_blocks_free, kv_blocks_cached)
+        return answers.packed(kv_blocks_total, kv_blocks_free, kv_blocks_cached, cache_digest)
 
 
 class StepAnswers:
@@ -672,12 +678,14 @@ class StepAnswers:
         """The plan answered (as its first step runs it)."""
         return self._first.plan
 
-    def packed(self, kv_blocks_total: int, kv_blocks_free: int, kv_blocks_cached: int = 0) -> bytes:
+    def packed(self, kv_blocks_total: int, kv_blocks_free: int, kv_blocks_cached: int = 0,
+               cache_digest: int = 0) -> bytes:
         """The result on the wire (after the plan's last step: the KV figures are its)."""
         plan = self.plan
         message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
                    "h": _array(self.handles, _U16), "o": _array(self.first_indexes, _I32), "x": self.errors,
-                   "kt": kv_blocks_total, "kf": kv_blocks_free, "kc": kv_blocks_cached, "s": sum(self.seconds)}
+                   "kt": kv_blocks_total, "kf": kv_blocks_free, "kc": kv_blocks_cached, "s": sum(self.seconds),
+                   "cd": cache_digest}
         counts = [len(tokens) for tokens in self.tokens]
         begins = np.cumsum([0, *counts]).tolist()  # each slot's first token's position
         message["t"] = _array([token for tokens in self.tokens for token in tokens], _I32)

@@ -491,8 +491,9 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
     for worker in status_workers(cluster):
         free, cached = worker["kv_blocks_free"], worker["kv_blocks_cached"]
         assert free + cached == worker["kv_blocks_total"], worker
-        assert f'iterserve_worker_kv_blocks_free{{worker_id="{worker["id"]}"}} {free}.0' in metrics and \
-            f'iterserve_worker_kv_blocks_cached{{worker_id="{worker["id"]}"}} {cached}.0' in metrics, \
+        labels = f'executor="{worker["executor"]}",worker_id="{worker["id"]}"'
+        assert f'iterserve_worker_kv_blocks_free{{{labels}}} {free}.0' in metrics and \
+            f'iterserve_worker_kv_blocks_cached{{{labels}}} {cached}.0' in metrics, \
             f"/metrics does not show {worker['id']}'s blocks free or cached"
     final = token_events(cluster, output.request_id)[-1]
     assert final.finish_reason == "cancelled" and final.token_id == -1

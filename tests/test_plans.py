@@ -32,7 +32,10 @@ def _random_plans(rng: random.Random, count: int):
             next_id += 1
             first_output_index = rng.randint(0, 300)
             writes = rng.random() < 0.5  # the worker writes its token entries (the fields travel only then)
-            new.append(NewRequest(request_id=request_id, sampling=SamplingParams(
+            cached = rng.choice([0, 0, 1, 3])  # blocks from the prefix cache, and (penalties) their tokens
+            new.append(NewRequest(request_id=request_id, cached_blocks=tuple(rng.randbytes(16) for _ in range(cached)),
+                                  cached_token_ids=tuple(rng.randrange(2**31) for _ in range(cached * 16))
+                                  if rng.random() < 0.5 else (), sampling=SamplingParams(
                 temperature=rng.choice([0.0, 0.7]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**63),
                 max_tokens=rng.randint(1, 500), stop=tuple(rng.sample(["\n", "END", "ü"], k=rng.randint(0, 2)))),
                 entries_below=first_output_index + rng.randint(1, 500) if writes else 0,
@@ -88,9 +91,12 @@ def test_a_random_plan_sequence_round_trips_exactly_and_results_name_what_the_pl
                   if not item.sample and rng.random() < 0.1]
         writes_entries = rng.random() < 0.7
         unwritten = {request_id for request_id in sampled if rng.random() < 0.2} if writes_entries else None
-        payload = reader.encode_result(decoded, sampled, logprobs, errors, 100, 42, 0.004, unwritten=unwritten)
+        digest = rng.randrange(2**64)
+        payload = reader.encode_result(decoded, sampled, logprobs, errors, 100, 42, 0.004, unwritten=unwritten,
+                                       cache_digest=digest)
         worker_id, raw = read_result(payload)
         result = codec.decode_result(raw)
+        assert result.cache_digest == digest
         assert (result.entries_written, result.unwritten) == (writes_entries, frozenset(unwritten or ()))
         assert worker_id == "w1" and (result.plan_id, result.kv_blocks_free, result.step_seconds) == \
             (plan.plan_id, 42, 0.004)

@@ -111,3 +111,74 @@ def test_a_conversations_turns_and_a_cached_prefix_on_a_worker_that_dies(engine_
         expected = greedy_alone(engine_alone, tokenizer, tokenizer.encode_prompt(prompt), 48, stop=False)
         assert result["choices"][0]["text"] == expected
         assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == placed[0]["cached_tokens"]
+
+
+PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4}
+PENALTY_PREFIX = ("The village library kept three shelves of atlases, two of old maps and one of travel diaries, "
+                  "and every winter the librarian read them aloud to whoever came in from the cold. ")
+
+
+def test_penalised_greedy_outputs_are_the_same_cold_warm_preempted_moved_and_without_prefix_caching(
+        engine_alone, tokenizer):
+    """Greedy completions with all three penalties give the tokens the engine gives them alone on an
+    empty cache: the first time (cold), again with their prompt from the cache (warm), preempted and
+    rebuilt from cached blocks of their prompt and output, rebuilt on another worker holding their
+    prefix after theirs is SIGKILLed mid-stream, and on a system with --no-prefix-caching. (The
+    worker's penalty history once started at the first token fed: the cached part was missing.)"""
+    from shared.messages import SamplingParams
+    from tests.engine_helpers import generate_alone
+
+    prompts = [PENALTY_PREFIX + ending for ending in ("Tell me about the maps.", "Which diary was the favourite?",
+                                                      "Who came in from the cold?", "What did the atlases show?")]
+
+    def oracle(prompt: str, max_tokens: int, penalties: dict = PENALTIES) -> str:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **penalties)
+        return tokenizer.decode(generate_alone(engine_alone, "oracle", tokenizer.encode_prompt(prompt), max_tokens,
+                                               sampling))
+
+    expected = {prompt: oracle(prompt, 40) for prompt in prompts}
+    assert expected[prompts[0]] != oracle(prompts[0], 40, {}), "the penalties change nothing: the test proves nothing"
+
+    def complete(cluster: Cluster, prompt: str, max_tokens: int = 40) -> dict:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                **PENALTIES}
+        request = urllib.request.Request(f"{cluster.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=180) as response:
+            return json.loads(response.read())
+
+    # 2 workers of 14 blocks (224 tokens): two of these requests (about 55 + 40 tokens) fill one.
+    with Cluster(workers=2, kv_blocks=14) as cluster:
+        for run in ("cold", "warm"):
+            for prompt in prompts[:2]:
+                answer = complete(cluster, prompt)
+                assert answer["choices"][0]["text"] == expected[prompt], (run, prompt)
+                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (cached == 0) if run == "cold" else (cached >= 3 * BLOCK), (run, cached)
+        # Preempted: all four at once, more KV than the two workers hold together.
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda prompt: complete(cluster, prompt), prompts))
+        assert [answer["choices"][0]["text"] for answer in answers] == [expected[prompt] for prompt in prompts]
+        preempted = {dict(re.findall(r"(\w+)=(\S+)", line))["request_id"]
+                     for _, line in cluster.log_events("scheduler", "preempted request_id=")}
+        rebuilt = [placed for answer in answers if answer["id"] in preempted
+                   for placed in admissions(cluster, answer["id"])[1:] if placed["output_tokens"] > 0]
+        assert any(placed["cached_tokens"] > len(tokenizer.encode_prompt(prompts[0])) for placed in rebuilt), \
+            f"no request was rebuilt from cached blocks holding some of its output: {preempted}, {rebuilt}"
+        # Moved: both workers hold the prefix now; the worker running the request is killed mid-stream.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(complete, cluster, prompts[2])
+            holder = wait_for(lambda: next((w["id"] for w in status(cluster)["workers"] if w["running"] > 0), None),
+                              "the request running")
+            time.sleep(1.5)  # some of its tokens decoded there
+            cluster.kill(cluster.name_of_worker(holder))
+            answer = pending.result(timeout=180)
+        assert answer["choices"][0]["text"] == expected[prompts[2]]
+        placed = admissions(cluster, answer["id"])
+        assert len(placed) == 2 and placed[1]["worker_id"] != holder and placed[1]["output_tokens"] > 0 \
+            and placed[1]["cached_tokens"] > 0, f"not rebuilt on the other worker from its cache: {placed}"
+    with Cluster(workers=1, kv_blocks=64, prefix_caching=False) as cluster:
+        for prompt in prompts[:3]:
+            answer = complete(cluster, prompt)
+            assert answer["choices"][0]["text"] == expected[prompt]
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

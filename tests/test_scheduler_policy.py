@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 
 from services.scheduler.policy import SchedulerPolicy
+from shared import cache_digest
 from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
 from shared.plans import DecodedPlan, PlanReader, StepAnswers, read_result, read_result_columns
 
@@ -65,9 +66,11 @@ class FakeWorker:
         self.sampled_count: dict[str, int] = defaultdict(int)  # tokens sampled per request, wasted ones too
         self.steps_run: list[int] = []  # each plan's steps (scheduler_steps), as run_all ran them
         self.registered: list[tuple[str, int, bytes]] = []  # the prefix-cache blocks plans registered
+        self.cache_digest = 0  # of the blocks registered and not evicted, as a worker reports it
 
     def run(self, plan: BatchPlan) -> PlanResult:
         self.registered.extend(plan.register_blocks)
+        self.cache_digest = cache_digest.after_plan(self.cache_digest, plan)
         for request_id in plan.free_request_ids:
             self.kv.pop(request_id, None)
             self.known.discard(request_id)
@@ -97,7 +100,8 @@ class FakeWorker:
                 assert item.output_index == len(held) - len(self.prompts[item.request_id])
                 self.last_sampled[item.request_id] = (item.output_index, self.token(item.request_id, item.output_index))
                 self.sampled_count[item.request_id] += 1
-        result = answer(plan, self.token, step_seconds=self.step_seconds)
+        result = dataclasses.replace(answer(plan, self.token, step_seconds=self.step_seconds),
+                                     cache_digest=self.cache_digest)
         if self.unwritten_at is None:
             return result
         return dataclasses.replace(result, entries_written=True, unwritten=frozenset(
@@ -121,7 +125,7 @@ class FakeWorker:
             step = PlanReader.next_step(step, lambda request_id: len(self.kv[request_id]))
         if not together:
             return results
-        return [read_result_columns(read_result(answers.packed(0, 0))[1])]
+        return [read_result_columns(read_result(answers.packed(0, 0, 0, self.cache_digest))[1])]
 
 
 def collect(outcomes, outputs: dict[str, list[int]], reasons: dict[str, str], seen: list | None = None) -> None:

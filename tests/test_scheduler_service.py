@@ -20,7 +20,7 @@ from services.scheduler.liveness import WorkerLiveness
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.redis_link import RedisLink
 from services.scheduler.service import run_scheduler
-from shared import keys
+from shared import cache_digest, keys
 from shared.config import Settings
 from shared.messages import (
     BatchPlan,
@@ -67,6 +67,7 @@ class FakeWorker:
         self.timeout_ms = timeout_ms
         self.started_at = time.time()
         self.epoch: str | None = None
+        self.cache_digest, self.digest_epoch = 0, ""
         self.kv: dict[str, list[int]] = {}
         self.seeds: dict[str, int] = {}
         self.last_sampled: dict[str, tuple[int, int]] = {}  # request id -> (output_index, token)
@@ -159,8 +160,8 @@ class FakeWorker:
                         await asyncio.sleep(self.step_seconds)
                         decoded = self.reader.next_step(decoded, kv_length)
                     # (one answer for all its steps, as the real worker's)
-                    held.append((answers.plan.plan_id, answers.packed(result.kv_blocks_total, result.kv_blocks_free),
-                                 writes))
+                    held.append((answers.plan.plan_id, answers.packed(result.kv_blocks_total, result.kv_blocks_free,
+                                                                      0, self.cache_digest), writes))
                     self.answer_with_next.append(answer_with_next)
                     self.steps_answered.append(len(answers.seconds))
                     if answer_with_next and position + 1 < len(entries):
@@ -193,6 +194,9 @@ class FakeWorker:
         if plan.free_all:
             self.kv.clear()
             self.last_sampled.clear()
+        if plan.scheduler_epoch != self.digest_epoch:  # (a new epoch: the real worker drops its cache)
+            self.cache_digest, self.digest_epoch = 0, plan.scheduler_epoch
+        self.cache_digest = cache_digest.after_plan(self.cache_digest, plan)  # as the real worker's
         for request_id in plan.free_request_ids:
             self.kv.pop(request_id, None)
             self.seeds.pop(request_id, None)

@@ -83,12 +83,13 @@ class GatewayMetrics:
         self.running = Gauge("iterserve_scheduler_running_requests", "Requests running", ["model"], registry=registry)
         self.live_workers = Gauge("iterserve_live_workers", "Workers whose heartbeat key exists", ["model"],
                                   registry=registry)
+        # Every worker metric says which executor made it (emulated: a hardware profile's numbers).
         self.kv_blocks_free = Gauge(
-            "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id"], registry=registry
+            "iterserve_worker_kv_blocks_free", "Free KV blocks per worker", ["worker_id", "executor"], registry=registry
         )
         self.kv_blocks_cached = Gauge(
             "iterserve_worker_kv_blocks_cached", "KV blocks per worker held by no request, kept in the prefix "
-            "cache until evicted", ["worker_id"], registry=registry
+            "cache until evicted", ["worker_id", "executor"], registry=registry
         )
         # The scheduler's counters (read from its heartbeat), as vLLM's prefix_cache_queries/hits.
         self.prefix_cache_queries = Gauge(
@@ -96,6 +97,10 @@ class GatewayMetrics:
             "scheduler started", ["model"], registry=registry)
         self.prefix_cache_hits = Gauge(
             "iterserve_prefix_cache_hits_tokens", "Of them, tokens found cached, since the scheduler started",
+            ["model"], registry=registry)
+        self.prefix_cache_mismatches = Gauge(
+            "iterserve_prefix_cache_mismatches", "Results whose worker's prefix cache did not hold what the "
+            "scheduler's copy of it holds (that worker's cache started over), since the scheduler started",
             ["model"], registry=registry)
         self.busy_seconds = Gauge(
             "iterserve_worker_busy_seconds", "Seconds each worker spent inside steps since it started (emulated "
@@ -109,7 +114,8 @@ class GatewayMetrics:
         if views is None:
             return
         for gauge in (self.waiting, self.running, self.live_workers, self.kv_blocks_free, self.kv_blocks_cached,
-                      self.busy_seconds, self.prefix_cache_queries, self.prefix_cache_hits):
+                      self.busy_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
+                      self.prefix_cache_mismatches):
             gauge.clear()
         for model, view in views:
             self.waiting.labels(model).set(view.scheduler.waiting if view.scheduler else 0)
@@ -118,9 +124,10 @@ class GatewayMetrics:
             if view.scheduler:
                 self.prefix_cache_queries.labels(model).set(view.scheduler.prefix_cache_queried_tokens)
                 self.prefix_cache_hits.labels(model).set(view.scheduler.prefix_cache_hit_tokens)
+                self.prefix_cache_mismatches.labels(model).set(view.scheduler.prefix_cache_mismatches)
             for worker in view.workers:
-                self.kv_blocks_free.labels(worker.worker_id).set(worker.kv_blocks_free)
-                self.kv_blocks_cached.labels(worker.worker_id).set(worker.kv_blocks_cached)
+                self.kv_blocks_free.labels(worker.worker_id, worker.executor).set(worker.kv_blocks_free)
+                self.kv_blocks_cached.labels(worker.worker_id, worker.executor).set(worker.kv_blocks_cached)
                 self.busy_seconds.labels(worker.worker_id, worker.executor).set(worker.busy_seconds)
 
     def render(self) -> bytes:

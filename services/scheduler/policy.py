@@ -181,6 +181,7 @@ class SchedulerPolicy:
         # Prefix-cache queries and hits, in prompt (and rebuilt output) tokens, at every admission.
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_mismatches = 0  # results whose worker's cache digest differed from the copy's
         self.epoch = epoch
         self.policy: Policy = policy
         self.max_batch_size = max_batch_size
@@ -479,6 +480,7 @@ class SchedulerPolicy:
         flight = worker.in_flight[0]
         plan = flight.plan
         if (result.scheduler_epoch != self.epoch or result.plan_id != flight.plan_id or flight.step
+                or result.cache_digest is not None and result.cache_digest != flight.cache_digest
                 or plan.steps != result.steps or result.handles != flight.handles
                 or result.output_indexes != flight.output_indexes
                 or result.counts != (plan.item_steps or [plan.steps] * len(flight.handles))):
@@ -507,6 +509,10 @@ class SchedulerPolicy:
             result = _result_columns(result, flight)
         elif result.steps > 1:
             return self._on_steps_result(worker, result)
+        if result.cache_digest is not None and result.cache_digest != flight.cache_digest and not any(
+                code == "cache_mismatch" for _, code, _ in result.errors):
+            self._on_cache_digest_mismatch(worker, flight, result.cache_digest)
+            return []
         worker.in_flight.pop(0)
         worker.measured_step(result.step_seconds)
         now = self._clock()
@@ -591,6 +597,17 @@ class SchedulerPolicy:
             logprob, top = logprobs.get(position, (None, ())) if logprobs else (None, ())
             outcomes.append(TokenOutcome(state, token_id, output_index, reason, logprob, top, written))
         return outcomes
+
+    def _on_cache_digest_mismatch(self, worker: WorkerState, flight: PlanInFlight, reported: int) -> None:
+        """The worker's prefix cache and this policy's copy of it hold different hashes although every
+        command fitted: nothing of either can be trusted. Its cache starts over, empty, as after a
+        cache_mismatch (its requests are rebuilt; this answer's tokens are computed again)."""
+        self.prefix_cache_mismatches += 1
+        log.error("prefix_cache_digest_mismatch worker_id=%s plan_id=%d reported=%016x expected=%016x",
+                  worker.worker_id, flight.plan_id, reported, flight.cache_digest)
+        self.reset_worker(worker.worker_id)
+        worker.clear_cache()
+        worker.free_all = True
 
     def _on_steps_result(self, worker: WorkerState, result: ResultColumns) -> list[TokenOutcome]:
         """The answer to a plan of several steps, as _applies_together found it (else: ValueError):
@@ -1037,7 +1054,7 @@ class SchedulerPolicy:
         worker.free_all = False
         flight = PlanInFlight(plan, self._clock(), tuple(batch.joined), batch.prefill_tokens, batch.decode_tokens,
                               states=states, output_indexes=batch.fed_outputs + batch.outputs,
-                              handles=batch.fed_handles + batch.handles)
+                              handles=batch.fed_handles + batch.handles, cache_digest=worker.cache.digest)
         if not all(batch.samples):  # (prefill chunks short of a prompt's end: the plan says where their KV ends)
             flight.samples = [True] * len(batch.fed_states) + batch.samples
             flight.ends = [0] * len(batch.fed_states) + [start + count for start, count in zip(batch.starts,
@@ -1065,7 +1082,8 @@ class SchedulerPolicy:
                 request_ids = tuple([state.request_id for state in step_states])
             worker.in_flight.append(PlanInFlight(flight.plan, flight.started_at, (), 0, len(step_states),
                                                  states=step_states, output_indexes=step_outputs,
-                                                 handles=step_handles, step=step, step_request_ids=request_ids))
+                                                 handles=step_handles, step=step, step_request_ids=request_ids,
+                                                 cache_digest=flight.cache_digest))
 
     def workers_write_entries(self, sampling: SamplingParams) -> bool:
         """Whether the workers write this request's token entries (those of tokens that end
@@ -1214,5 +1232,5 @@ def _result_columns(result: PlanResult, flight: PlanInFlight) -> ResultColumns:
         errors=tuple((handle_of.get(error.request_id, -1), error.code, error.message) for error in result.errors),
         kv_blocks_total=result.kv_blocks_total, kv_blocks_free=result.kv_blocks_free,
         kv_blocks_cached=result.kv_blocks_cached, step_seconds=result.step_seconds,
-        entries_written=result.entries_written,
+        entries_written=result.entries_written, cache_digest=result.cache_digest,
         unwritten=[handle_of[request_id] for request_id in result.unwritten if request_id in handle_of])

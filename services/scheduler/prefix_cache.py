@@ -23,6 +23,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from shared import cache_digest
 from shared.plans import HASH_BYTES  # 128 bits: a collision would hand one prompt another's KV
 
 
@@ -53,6 +54,7 @@ class WorkerPrefixCache:
     def __init__(self) -> None:
         self.references: dict[bytes, int] = {}
         self.idle: OrderedDict[bytes, None] = OrderedDict()
+        self.digest = 0  # of its hashes, as the worker's cache keeps it (shared/cache_digest.py)
 
     def __len__(self) -> int:
         return len(self.references)
@@ -81,6 +83,7 @@ class WorkerPrefixCache:
         if block_hash in self.references:
             return False
         self.references[block_hash] = 1
+        self.digest = cache_digest.added(self.digest, block_hash)
         return True
 
     def release(self, block_hash: bytes) -> None:
@@ -94,9 +97,11 @@ class WorkerPrefixCache:
         for _ in range(min(count, len(self.idle))):
             block_hash, _ = self.idle.popitem(last=False)
             del self.references[block_hash]
+            self.digest = cache_digest.removed(self.digest, block_hash)
             evicted.append(block_hash)
         return evicted
 
     def clear(self) -> None:
         self.references.clear()
         self.idle.clear()
+        self.digest = 0

@@ -126,6 +126,9 @@ class PlanInFlight:
     # of the items that run it where they are fewer than the plan's (None: the plan's item_ids).
     step: int = 0
     step_request_ids: tuple[str, ...] | None = None
+    # Its worker's prefix-cache digest once the plan's commands are carried out (as the scheduler's
+    # copy has it then: shared/cache_digest.py); its result must report the same.
+    cache_digest: int = 0
 
     @property
     def plan_id(self) -> int:

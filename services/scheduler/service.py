@@ -357,6 +357,7 @@ class SchedulerService:
             phase_cpu_seconds=dict(self.phase_cpu), round_trips=self.round_trips, plans=self.plans,
             prefix_cache_queried_tokens=self.policy.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.policy.prefix_cache_hit_tokens,
+            prefix_cache_mismatches=self.policy.prefix_cache_mismatches,
             kv_blocks=self.policy.kv_blocks_by_worker(), cpus=sorted(os.sched_getaffinity(0)),
         )
         self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),

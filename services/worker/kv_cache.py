@@ -18,6 +18,8 @@ what it holds (CacheMismatch).
 import numpy as np
 import torch
 
+from shared import cache_digest
+
 
 class KVCacheFull(Exception):
     """The pool has too few free blocks for a request's next step (nothing was changed)."""
@@ -51,6 +53,9 @@ class BlockTables:
         self._hash_of_block: dict[int, bytes] = {}
         self._references = np.zeros(num_blocks, dtype=np.int64)
         self._blocks_idle = 0  # registered blocks no row holds: evictable
+        # The digest of the registered hashes (shared/cache_digest.py): each result reports it, and the
+        # scheduler compares it with its copy's, so the two maps are checked whole.
+        self.cache_digest = 0
 
     @property
     def blocks_free(self) -> int:
@@ -132,6 +137,7 @@ class BlockTables:
         self._block_of_hash[block_hash] = block
         self._hash_of_block[block] = block_hash
         self._references[block] = 1
+        self.cache_digest = cache_digest.added(self.cache_digest, block_hash)
 
     def adopt(self, row: int, hashes: list[bytes]) -> None:
         """Start an empty row with cached blocks as its first blocks (their KV is its prefix)."""
@@ -159,6 +165,7 @@ class BlockTables:
             del self._block_of_hash[block_hash], self._hash_of_block[block]
             self._blocks_idle -= 1
             self._free_blocks.append(block)
+            self.cache_digest = cache_digest.removed(self.cache_digest, block_hash)
 
 
 class PagedKVCache(BlockTables):

@@ -193,7 +193,7 @@ class Worker:
 
     def _packed(self, answers: StepAnswers) -> bytes:
         kv = self.engine.kv_cache
-        return answers.packed(kv.blocks_total, kv.blocks_free, kv.blocks_cached)
+        return answers.packed(kv.blocks_total, kv.blocks_free, kv.blocks_cached, kv.cache_digest)
 
     async def serve(self, stop_event: asyncio.Event) -> None:
         stream = keys.plan_stream(self.worker_id)
@@ -494,7 +494,7 @@ def plan_result(plan: BatchPlan, outcome: StepOutcome, worker_id: str, kv: Paged
         errors=tuple(ItemError(request_id=error.request_id, code=error.code, message=error.message)
                      for error in outcome.errors),
         kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=outcome.seconds,
-        kv_blocks_cached=kv.blocks_cached,
+        kv_blocks_cached=kv.blocks_cached, cache_digest=kv.cache_digest,
     )
 
 
