@@ -3,11 +3,14 @@
 Starts a private redis-server (append-only, data kept under the data directory) unless a
 Redis URL is given, then the scheduler, the workers and the gateway; prefixes their logs;
 on Ctrl-C or SIGTERM stops them all and reaps them. A child that dies is reported and, like
-compose's restart policy, started again after a short back-off. With --scheduler-cpus the
+compose's restart policy, started again after a short back-off, unless it said its settings can
+never work (shared/exits.py): then everything stops and `up` exits 2 with its message. With
+--scheduler-cpus the
 schedulers run on those CPUs alone, kept from idling (services/keep_awake.py), and every other
 process on the others.
 """
 
+import collections
 import ctypes
 import logging
 import os
@@ -23,6 +26,7 @@ from pathlib import Path
 import redis
 
 from shared.config import Settings, cpu_list, cpu_text, threads_per_worker
+from shared.exits import CONFIGURATION_ERROR
 from shared.served_models import served_models
 from shared.redis_connection import credentials_error, redacted
 
@@ -48,6 +52,7 @@ class Child:
         self.name, self.command, self.env, self.cpus = name, command, env, cpus
         self.process: subprocess.Popen | None = None
         self.exited_at = 0.0
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=20)  # what it said last
 
     def _prepare(self) -> None:
         """In the child, before it runs its command."""
@@ -60,7 +65,8 @@ class Child:
             self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=self._prepare,
         )
-        threading.Thread(target=self._relay, args=(self.process,), daemon=True).start()
+        self._relaying = threading.Thread(target=self._relay, args=(self.process,), daemon=True)
+        self._relaying.start()
         log.info("event=started process=%s pid=%d", self.name, self.process.pid)
 
     def _relay(self, process: subprocess.Popen) -> None:
@@ -68,6 +74,13 @@ class Child:
         for line in iter(process.stdout.readline, b""):
             sys.stdout.buffer.write(prefix + line)
             sys.stdout.flush()
+            self.last_lines.append(line.decode(errors="replace").rstrip())
+
+    def said(self, start: str) -> str:
+        """Its last line of output starting with `start` (once its process has ended: the relay reads
+        to the end of its output first)."""
+        self._relaying.join(timeout=5)
+        return next((line for line in reversed(self.last_lines) if line.startswith(start)), "")
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -227,9 +240,15 @@ def run_up(settings: Settings) -> int:
         log.info("event=scheduler_cpus scheduler=%s others=%s note=each scheduler CPU kept from idling by an "
                  "idle-priority process", cpu_text(scheduler_cpus), cpu_text(other_cpus))
 
-    while not stop_requested.wait(0.2):
+    refused = ""  # a child's message that its settings can never work
+    while not refused and not stop_requested.wait(0.2):
         for child in children:
             if child.process is not None and not child.running():
+                if child.process.returncode == CONFIGURATION_ERROR:
+                    refused = child.said("iterserve") or f"{child.name} refused its settings"
+                    log.error("event=configuration_error process=%s error=%s: stopping (restarting it cannot help)",
+                              child.name, refused)
+                    break
                 log.warning("event=exited process=%s code=%s restart_in=%.0fs", child.name,
                             child.process.returncode, RESTART_BACKOFF_SECONDS)
                 child.process, child.exited_at = None, time.monotonic()
@@ -246,4 +265,7 @@ def run_up(settings: Settings) -> int:
         redis_process.signal(signal.SIGTERM)
         redis_process.wait(time.monotonic() + STOP_GRACE_SECONDS)
     log.info("event=stopped")
+    if refused:
+        sys.stderr.write(refused + "\n")
+        return 2
     return 0

@@ -335,3 +335,44 @@ def test_scheduler_cpus_put_the_scheduler_alone_on_its_cpu_kept_awake_and_everyt
     finally:
         leftovers = system.stop()
     assert leftovers == [], f"left running: {[process.cmdline() for process in leftovers]}"
+
+
+def test_a_setting_that_can_never_work_stops_up_with_its_message_while_a_crash_is_restarted(tmp_path):
+    """A worker whose settings can never work (--tensor-parallel 2 for SmolLM2's 9 heads and 3 KV
+    heads) exits with the configuration-error code (shared/exits.py), and `up` stops at once with
+    exit 2 and the worker's message rather than restart it every 2 s forever; a worker that is
+    SIGKILLed (a crash that may pass) is still started again, and the system serves on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from shared.exits import CONFIGURATION_ERROR
+
+    from services.launcher import free_port
+
+    env = dict(os.environ) | {"ITERSERVE_DATA_DIR": str(tmp_path), "ITERSERVE_PORT": str(free_port())}
+    started = time.monotonic()
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--tensor-parallel", "2", "--workers", "1"],
+                        capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert up.returncode == 2, (up.returncode, up.stderr[-3000:])
+    assert up.stderr.rstrip().endswith("iterserve worker: tensor parallel size 2 does not divide 9 attention heads, "
+                                       "3 KV heads"), up.stderr[-3000:]
+    assert f"code={CONFIGURATION_ERROR}" not in up.stderr and "restart_in" not in up.stderr, "it was restarted"
+    assert time.monotonic() - started < 60
+    left = [process for process in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(process.info["cmdline"] or ())]
+    assert left == [], f"left running: {[process.info['cmdline'] for process in left]}"
+
+    with System("--executor", "emulated", "--hardware", "h100-llama3-8b", workers=1) as system:
+        [worker] = [pid for pid, kind in system.components().items() if kind == "worker"]
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not [pid for pid, kind in system.components().items() if kind == "worker" and pid != worker]:
+            assert system.process.poll() is None, "up stopped after a worker crash"
+            assert time.monotonic() < deadline, "the killed worker was not started again"
+            time.sleep(0.2)
+        system.wait_healthy(60)
+        assert_emulated_completion(system.url)
+        assert "event=exited process=worker-1 code=-9 restart_in=2s" in system.log()

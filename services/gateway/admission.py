@@ -26,6 +26,7 @@ from aiohttp import web
 
 from services.gateway.errors import ApiError
 from shared.config import Settings
+from shared.exits import configuration_error
 from shared.messages import SchedulerInfo
 
 log = logging.getLogger("iterserve.gateway")
@@ -43,11 +44,11 @@ def load_api_keys(settings: Settings) -> list[str]:
         try:
             lines = path.read_text().splitlines()
         except OSError as error:
-            raise SystemExit(f"cannot read the API keys file {path}: {error}") from None
+            raise configuration_error(f"iterserve gateway: cannot read the API keys file {path}: {error}") from None
         keys += [line.strip() for line in lines if not line.strip().startswith("#")]
     keys = [key for key in keys if key]
     if settings.api_keys_file and not keys:
-        raise SystemExit(f"the API keys file {settings.api_keys_file} holds no key")
+        raise configuration_error(f"iterserve gateway: the API keys file {settings.api_keys_file} holds no key")
     return keys
 
 

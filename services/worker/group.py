@@ -200,7 +200,9 @@ def start_group(settings: "Settings") -> EngineGroup:
     try:
         check_split(load_metadata(settings.model).config, layout)  # before any rank starts
     except ValueError as error:
-        raise SystemExit(f"iterserve worker: {error}") from None
+        from shared.exits import configuration_error
+
+        raise configuration_error(f"iterserve worker: {error}") from None
     threads = settings.threads or threads_per_worker(settings.workers * layout.world)
     settings = settings.model_copy(update={"threads": threads})
     if settings.cuda_graphs:  # a captured step would replay without its collectives and sends

@@ -43,6 +43,7 @@ from services.worker.rows import ItemRefusal, StepOutcome
 from services.worker.kv_cache import CacheMismatch, PagedKVCache
 from shared import keys
 from shared.config import Settings, threads_per_worker
+from shared.exits import configuration_error
 from shared.model_file import load_metadata, weights_sha256
 from shared.served_models import served_models
 from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
@@ -522,11 +523,14 @@ class EmulatedLogLines(logging.Filter):
 
 def make_engine(settings: Settings):
     """The worker's executor: the model (the default), or the emulated one (a benchmarking
-    instrument) with its hardware profile; a bad profile stops the worker with a clear message."""
+    instrument) with its hardware profile; a setting that can never work (a bad profile or model
+    file, a device that is not there) stops the worker with a clear message and the exit code
+    that says not to restart it (shared/exits.py)."""
     if settings.executor == "emulated":
         if settings.group_size > 1:
-            raise SystemExit("iterserve worker: --tensor-parallel and --pipeline-parallel need the model (--executor "
-                             "engine): the emulated executor's profile already stands for the whole device group")
+            raise configuration_error("iterserve worker: --tensor-parallel and --pipeline-parallel need the model "
+                                      "(--executor engine): the emulated executor's profile already stands for the "
+                                      "whole device group")
         from services.worker.emulated import EmulatedEngine
         from services.worker.hardware import ProfileError
 
@@ -536,8 +540,12 @@ def make_engine(settings: Settings):
             return EmulatedEngine.from_settings(settings)
         except ProfileError as error:
             log.error("event=bad_hardware_profile error=%s", error)
-            raise SystemExit(f"iterserve worker: {error}") from None
+            raise configuration_error(f"iterserve worker: {error}") from None
     from shared.model_file import ModelFileError
+
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise configuration_error(f"iterserve worker: --device {settings.device}, but torch sees no CUDA device "
+                                  f"here (torch {torch.__version__}); --device auto runs on the CPU") from None
 
     try:
         if settings.group_size > 1:
@@ -547,7 +555,7 @@ def make_engine(settings: Settings):
         return Engine.from_settings(settings)
     except ModelFileError as error:  # found only once the weights are opened (a tensor missing)
         log.error("event=bad_model error=%s", error)
-        raise SystemExit(f"iterserve worker: {error}") from None
+        raise configuration_error(f"iterserve worker: {error}") from None
 
 
 async def run_worker(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
