@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.model_file import DEFAULT_MODEL  # re-exported: the settings' default
 
 
+def executor_label(settings: "Settings") -> str:
+    """The executor as start lines and reports name it: "engine" (the model runs), or
+    "EMULATED:<profile>" (no model runs: steps take a hardware profile's time)."""
+    return "engine" if settings.executor == "engine" else f"EMULATED:{settings.hardware or '?'}"
+
+
 def threads_per_worker(workers: int, cores: int | None = None) -> int:
     """Each worker's share of the machine's cores (or of `cores` of them), so workers don't fight each other."""
     return max(1, (cores or os.cpu_count() or 1) // max(1, workers))

@@ -249,6 +249,9 @@ class SchedulerInfo(Frozen):
     # Its exact copy of each worker's KV blocks: {worker id: {"in_use", "cached", "free"}}.
     kv_blocks: dict[str, dict[str, int]] = {}
     cpus: list[int] = []  # the CPUs it may run on (Settings.scheduler_cpus pins it)
+    # The executors of the workers it schedules ("emulated": a hardware profile's times, no model):
+    # the gateway says so on every answer (x-iterserve-executor) and in /health.
+    executors: list[str] = []
 
 
 class IterationRecord(Frozen):

@@ -230,6 +230,34 @@ def test_the_whole_system_on_emulated_workers_says_so_and_gives_exact_seeded_out
         frozen = re.findall(r"event=startup_heap_frozen service=(\w+) objects=(\d+)", system.log())
         assert sorted(service for service, _ in frozen) == ["gateway", "scheduler", "worker", "worker"]
         assert all(int(objects) > 10_000 for _, objects in frozen)
+        # Every place a result can be read says EMULATED: the answers' header, /health, every worker
+        # metric's executor label, the scheduler's and the gateway's start lines, a bench report's first line.
+        body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2}).encode()
+        for stream in (False, True):
+            request = urllib.request.Request(f"{system.url}/v1/completions", headers={"Content-Type": "application/json"},
+                                             data=body[:-1] + (b', "stream": true}' if stream else b"}"))
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert response.headers["x-iterserve-executor"] == "emulated", (stream, dict(response.headers))
+                response.read()
+        with urllib.request.urlopen(f"{system.url}/health", timeout=10) as response:
+            health = json.loads(response.read())
+        assert health["executor"] == "emulated" and "EMULATED" in health["note"], health
+        assert health["models"]["smollm2-135m-instruct"]["executors"] == ["emulated"], health
+        with urllib.request.urlopen(f"{system.url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        worker_samples = [line for line in metrics.splitlines() if line.startswith("iterserve_worker_")]
+        assert len(worker_samples) >= 6 and all('executor="emulated"' in line for line in worker_samples), \
+            worker_samples
+        log = system.log()
+        assert re.search(r"scheduler\s*\| .*scheduler_started .*executor=EMULATED:h100-llama3-8b", log)
+        assert re.search(r"gateway\s*\| .*gateway listening on .*executor=EMULATED:h100-llama3-8b", log)
+        bench = subprocess.run([sys.executable, "-m", "services.cli", "bench", "--url", system.url,
+                                "--num-requests", "2", "--output-range", "2", "2", "--input-range", "8", "16",
+                                "--no-progress", "--output", "/dev/null"],
+                               capture_output=True, text=True, timeout=120)
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        assert bench.stdout.splitlines()[0].startswith("### iterserve bench (EMULATED workers: no model ran)"), \
+            bench.stdout[:300]
 
 
 def test_plans_as_long_as_the_plan_time_allows_on_workers_of_fast_steps():

@@ -103,6 +103,11 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     return config
 
 
+def executor_words(executor: str) -> str:
+    """A report's executor as its first line says it: EMULATED stands out (no model ran)."""
+    return "EMULATED workers: no model ran" if "emulated" in executor else f"executor: {executor}"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "experiments":
@@ -122,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     report = asyncio.run(run_benchmark(config))
     if args.output:
         write_report(report, args.output)
-    print(markdown(report["summary"], title=f"iterserve bench: {report['description']}"))
+    print(markdown(report["summary"], title=f"iterserve bench ({executor_words(report['executor'])}): "
+                                            f"{report['description']}"))
     if report["summary"]["completed"] == 0 and report["summary"]["cancelled"] == 0:
         sys.exit(1)
 

@@ -37,6 +37,7 @@ class RequestResult:
     conversation: int = -1  # multiturn: its conversation and turn
     turn: int = 0
     text: str = ""  # what it answered (multiturn sends it back in the next turn; not in reports)
+    executor: str = ""  # what served it, as the gateway's x-iterserve-executor header said ("emulated": no model)
 
     @property
     def ok(self) -> bool:
@@ -110,6 +111,7 @@ async def send_request(
 async def _stream(session, base_url, request, model, temperature, run_start, result, cancel_after, cancel_mode) -> None:
     url = base_url.rstrip("/") + PATHS[request.endpoint]
     async with session.post(url, json=request.body(model, temperature)) as response:
+        result.executor = response.headers.get("x-iterserve-executor", "")
         if response.status != 200:
             result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
             return

@@ -194,6 +194,9 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest] | None
     results.sort(key=lambda result: result.index)
     summary = summarize(results, config.ttft_slo, config.tpot_slo)
     return {
+        # What served the run, as its answers said: "engine", or "emulated" (no model: a hardware
+        # profile's step times), first, so that no figure of an emulated run is read as a model's.
+        "executor": ",".join(sorted({result.executor for result in results if result.executor})) or "unknown",
         "label": config.label,
         "description": config.describe(),
         "config": {**asdict(config), "workload": asdict(config.workload), "api_key": None,

@@ -20,7 +20,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
 from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, RequestState, Store
-from shared.config import Settings
+from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata
 from shared.served_models import served_models
@@ -72,7 +72,14 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
     app.router.add_get("/dashboard/events", dashboard_events)
     app.on_startup.append(_open_redis)
     app.on_cleanup.append(_close_redis)
+    app.on_response_prepare.append(_name_the_executor)
     return app
+
+
+async def _name_the_executor(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer says what made it: "engine" (the model), or "emulated" (no model: a hardware
+    profile's step times; tokens a hash of the context), as the workers' heartbeats last said."""
+    response.headers["x-iterserve-executor"] = request.app[STATE].executor_header
 
 
 async def _open_redis(app: web.Application) -> None:
@@ -245,6 +252,8 @@ async def _views(state: GatewayState, timeout: float) -> list[tuple[GatewayModel
     """Every served model's pool, read concurrently."""
     models = list(state.models.values())
     views = await asyncio.gather(*(state.store.cluster_view(model.keys, timeout) for model in models))
+    for model, view in zip(models, views):
+        state.note_executors(model.name, view.scheduler)
     return list(zip(models, views, strict=True))
 
 
@@ -275,14 +284,20 @@ async def health(request: web.Request) -> web.Response:
         if reasons:
             body["reason"] = "; ".join(reasons)
         return web.json_response(body, status=503)
+    executors = state.executor_header
     return web.json_response(
         {
             "status": "ok",
             "model": state.model_name,
+            "executor": executors,
+            **({"note": "EMULATED workers: no model runs; step times come from a hardware profile"}
+               if "emulated" in executors else {}),
             "workers": sum(len(view.live_worker_ids) for _, view in views),
             "waiting": sum(view.scheduler.waiting for _, view in views if view.scheduler),
             "running": sum(view.scheduler.running for _, view in views if view.scheduler),
-            "models": {model.name: {"workers": len(view.live_worker_ids)} for model, view in views},
+            "models": {model.name: {"workers": len(view.live_worker_ids),
+                                    "executors": list(view.scheduler.executors) if view.scheduler else []}
+                       for model, view in views},
         }
     )
 
@@ -378,7 +393,8 @@ async def run_gateway(settings: Settings, stop_event: asyncio.Event | None = Non
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("gateway listening on %s model=%s", runner.addresses, app[STATE].model_name)
+        log.info("gateway listening on %s model=%s executor=%s", runner.addresses, app[STATE].model_name,
+                 executor_label(settings))
         await (stop_event or asyncio.Event()).wait()
         log.info("gateway stopping")
         app[STATE].stopping = True

@@ -101,7 +101,9 @@ async def admit(state: GatewayState, model: GatewayModel, client_key: str, promp
     """A place among the waiting requests, or a 429 (services/gateway/admission.py)."""
     admission = state.admission
     if admission.needs_scheduler_view():  # Redis down: 503, as submit would
-        admission.note_scheduler(await state.store.scheduler_info(model.keys))
+        scheduler = await state.store.scheduler_info(model.keys)
+        admission.note_scheduler(scheduler)
+        state.note_executors(model.name, scheduler)
     return admission.admit(client_key, prompt_tokens)
 
 

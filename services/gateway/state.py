@@ -15,6 +15,7 @@ from shared.keys import ModelKeys
 
 if TYPE_CHECKING:
     from services.gateway.admission import Admission
+    from shared.messages import SchedulerInfo
     from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("iterserve.gateway")
@@ -44,6 +45,18 @@ class GatewayState:
     # Set when the gateway shuts down: the connections it closes are not clients leaving, so their
     # requests go on (a client re-attaches through another or a restarted gateway).
     stopping: bool = False
+    # The executors of each model's workers as its scheduler last said (SchedulerInfo.executors): every
+    # answer names them (x-iterserve-executor), so a figure read off an emulated system says so.
+    executors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def note_executors(self, model_name: str, scheduler: "SchedulerInfo | None") -> None:
+        if scheduler is not None and scheduler.executors:
+            self.executors[model_name] = tuple(scheduler.executors)
+
+    @property
+    def executor_header(self) -> str:
+        """"engine", "emulated", or both joined ("emulated,engine") when the models' workers differ."""
+        return ",".join(sorted(set().union(*self.executors.values()))) or "unknown"
 
     @property
     def default_model(self) -> GatewayModel:

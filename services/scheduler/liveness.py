@@ -49,6 +49,7 @@ class WorkerLiveness:
         self.link, self.policy = link, policy
         self.stall_seconds = stall_seconds
         self._started_at: dict[str, float] = {}
+        self.executors: dict[str, str] = {}  # each live worker's (WorkerInfo.executor)
 
     async def poll(self) -> None:
         """Raises RedisRestarted, before anything else, when Redis is not the server the pool was
@@ -88,12 +89,14 @@ class WorkerLiveness:
                 self.policy.worker_up(worker_id, info.kv_blocks_total, info.kv_block_size, info.pipeline_stages,
                                       info.kv_identity)
             self._started_at[worker_id] = info.started_at
+            self.executors[worker_id] = info.executor
             self.policy.set_draining(worker_id, info.draining)
 
     def forget(self, worker_id: str) -> None:
         """A dead or departed worker: its requests wait again, its keys and per-worker state go."""
         self.policy.worker_down(worker_id)
         self._started_at.pop(worker_id, None)
+        self.executors.pop(worker_id, None)
         self.link.queue("srem", self.link.keys.workers, worker_id)
         self.link.queue("delete", keys.plan_stream(worker_id))
 

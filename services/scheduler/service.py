@@ -51,7 +51,7 @@ from services.scheduler.redis_link import (
     text_of,
 )
 from shared import keys
-from shared.config import Settings
+from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo
 from shared.model_file import load_metadata
 from shared.plans import ResultColumns, encode_plan, read_result, read_result_columns
@@ -125,7 +125,8 @@ class SchedulerService:
     # Running
 
     async def run(self, stop_event: asyncio.Event) -> None:
-        log.info("scheduler_started epoch=%s policy=%s pid=%d", self.epoch, self.settings.policy, os.getpid())
+        log.info("scheduler_started epoch=%s policy=%s pid=%d executor=%s", self.epoch, self.settings.policy,
+                 os.getpid(), executor_label(self.settings))
         backoff = BACKOFF_START_SECONDS
         task = asyncio.current_task()
         while not stop_event.is_set():
@@ -359,6 +360,7 @@ class SchedulerService:
             prefix_cache_hit_tokens=self.policy.prefix_cache_hit_tokens,
             prefix_cache_mismatches=self.policy.prefix_cache_mismatches,
             kv_blocks=self.policy.kv_blocks_by_worker(), cpus=sorted(os.sched_getaffinity(0)),
+            executors=sorted(set(self.liveness.executors.values())),
         )
         self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
