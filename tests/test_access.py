@@ -16,6 +16,7 @@ from services.gateway.app import create_app, warn_if_open
 from services.gateway.state import STATE
 from services.gateway.store import READ_COUNT
 from shared import keys
+from shared.exits import CONFIGURATION_ERROR
 from shared.messages import IterationRecord, RequestRecord, TokenEvent
 from shared.wire import decode, encode
 from tests.test_gateway import (  # noqa: F401 (tokenizer is a fixture)
@@ -140,7 +141,7 @@ async def test_protect_observability_puts_metrics_and_status_behind_a_key(
 
 
 async def test_keys_from_a_file_and_a_missing_file_stops_the_start(
-    redis_url, redis_client, tokenizer, tmp_path  # noqa: F811
+    redis_url, redis_client, tokenizer, tmp_path, capsys  # noqa: F811
 ):
     key_file = tmp_path / "keys"
     key_file.write_text(f"# team keys\n\n  {KEY_B}  \n")
@@ -148,11 +149,12 @@ async def test_keys_from_a_file_and_a_missing_file_stops_the_start(
     async with serve_gateway(settings, tokenizer) as client:
         assert (await call(client, "GET", "/v1/models", headers=AUTH_B))[0] == 200
         assert (await call(client, "GET", "/v1/models", headers=AUTH_A))[0] == 401
-    with pytest.raises(SystemExit, match="cannot read the API keys file"):
-        create_app(gateway_settings(redis_url, api_keys_file=str(tmp_path / "absent")), tokenizer)
     (tmp_path / "empty").write_text("# nothing\n")
-    with pytest.raises(SystemExit, match="holds no key"):
-        create_app(gateway_settings(redis_url, api_keys_file=str(tmp_path / "empty")), tokenizer)
+    for name, said in (("absent", "cannot read the API keys file"), ("empty", "holds no key")):
+        with pytest.raises(SystemExit) as stopped:  # a setting that can never work: not restarted (shared/exits.py)
+            create_app(gateway_settings(redis_url, api_keys_file=str(tmp_path / name)), tokenizer)
+        assert stopped.value.code == CONFIGURATION_ERROR
+        assert said in capsys.readouterr().err
 
 
 async def test_a_request_carries_its_key_id_and_only_that_key_sees_it(keyed, held, redis_client):

@@ -487,7 +487,7 @@ def test_penalties_see_the_prompt_and_the_output_so_far_also_after_a_rebuild():
         return int(penalized.argmax())
 
     def history_is_exact(output_index: int) -> bool:  # what the sampler is handed for this row
-        history = engine._penalty_history(np.array([engine.row("p")]), np.array([output_index]), torch.device("cpu"))
+        history = engine._history.for_sample(np.array([engine.row("p")]), np.array([output_index]))
         prompt_seen = [token for token in history.prompt_ids[0].tolist() if token >= 0]
         output_seen = [token for token in history.output_ids[0].tolist() if token >= 0]
         return (prompt_seen, output_seen) == (prompt, output[:output_index])

@@ -402,7 +402,7 @@ def test_rows_build_from_sampling_params():
 
     request = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=99)
     rows = SamplingRows.from_params([request, SamplingParams()], [4, 0], vocab_size=100)
-    assert rows.host["top_p"][0] == 0.9 and rows.host["min_p"] == (0.0, 0.0) and rows.max_logprobs == -1
+    assert rows.host["top_p"][0] == 0.9 and rows.host["min_p"].tolist() == [0.0, 0.0] and rows.max_logprobs == -1
     assert not rows.all_greedy and rows.any_top_k and rows.max_top_k == 20 and not rows.any_penalty
     logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(0))
     assert sample(logits, rows).token_ids[1] == logits[1].argmax()

@@ -7,9 +7,18 @@ token of every item that reaches the end of its known tokens, all rows at once.
 Every request the engine holds has a row (vLLM v1's persistent input batch): its KV block table
 is a row of the cache's preallocated table, its last sampled token a row of a device tensor
 (a pipelined plan feeds it from there, never through the host), its sampling parameters are
-kept from the plan that introduced it. A step's index arrays (positions, slot mapping, logit
+kept from the plan that introduced it, a penalised row's tokens so far are a row of a device
+tensor (services/worker/token_history.py). A step's index arrays (positions, slot mapping, logit
 rows) are computed with vectorized numpy over the items and copied to the device once; the
-only host synchronisation in a step is fetching the sampled tokens at its end.
+sampler picks its row subsets from host arrays, with no Python per row.
+
+Where a step waits for the device: fetching the sampled tokens at its end, always; and inside the
+sampler only for rows that ask for the stages that need it (services/worker/sampler.py): top_p's
+rejection rounds (three waits a round: the rows to check, the blocks above a drawn token, the rows
+rejected; a round or two a step on real logits) and top_k's check for a tie run past its
+candidates (one). Those stages work on data-dependent row subsets, which keep sampling cheap on the
+CPU, where a wait costs nothing; on a GPU each is a round trip to the queue
+(benchmarks/results/sampler_host.md counts them, with the eager ops and step times).
 """
 
 import logging
@@ -26,10 +35,11 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
-from services.worker.sampler import PenaltyHistory, sample
+from services.worker.sampler import sample
 from services.worker.sampling_table import SamplingTable
 from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
 from services.worker.staging import Staging
+from services.worker.token_history import TokenHistory
 from shared.model_file import ModelConfig
 
 if TYPE_CHECKING:  # the engine imports only torch and numpy: it runs where the service's packages are not
@@ -104,7 +114,7 @@ class Engine(RequestRows):
         self._sampling = SamplingTable(self.max_rows, device)
         # The token each row sampled last, on the device: a pipelined plan feeds it from there.
         self.last_token = torch.zeros(self.max_rows, dtype=torch.long, device=device)
-        self._fed: dict[int, list[int]] = {}  # rows with penalties: every token fed (prompt + output)
+        self._history = TokenHistory(self.max_rows, model.config.context_length, device)  # rows with penalties
         self._staging = Staging(device)
         self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens, rows_hint=max_batch_size)
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
@@ -188,12 +198,12 @@ class Engine(RequestRows):
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         self._sampling.set(row, sampling)
         if not sampling.has_penalty:
-            self._fed.pop(row, None)
-        elif history or row not in self._fed:
-            self._fed[row] = list(history)  # its cached prefix's tokens: the rest is fed
+            self._history.stop(row)
+        elif history or not self._history.tracked[row]:
+            self._history.start(row, history)  # its cached prefix's tokens: the rest is fed
 
     def _row_freed(self, row: int) -> None:
-        self._fed.pop(row, None)
+        self._history.stop(row)
 
     def reset(self) -> None:
         super().reset()
@@ -210,7 +220,7 @@ class Engine(RequestRows):
     def step(self, items: Sequence["StepItem"], return_logits: bool = False) -> StepOutcome:
         started = time.perf_counter()
         outcome = StepOutcome()
-        if self._fed:
+        if self._history.any_tracked:
             items = self._with_whole_history(items, outcome)
         columns = self.columns(items, outcome)
         if columns is not None:
@@ -293,7 +303,7 @@ class Engine(RequestRows):
                 self.workspace.forget()  # rows may be half-written: none can be trusted
             raise
         kv_cache.lengths[rows] = starts + counts
-        self._remember_fed(columns)
+        self._history.fed(np.repeat(rows, counts), positions, token_ids, rows, starts + counts)
         sampled_rows = rows[sampled]
         output_indices = np.asarray(columns.output_indices, dtype=np.int64)[sampled]
         if logits is None:  # a stage before the last: its tokens come from the last stage
@@ -309,7 +319,8 @@ class Engine(RequestRows):
         if not sampled.any():
             return
         sampling_rows = self._sampling.rows(sampled_rows, output_indices, config.vocab_size)
-        result = sample(logits, sampling_rows, self._penalty_history(sampled_rows, output_indices, device))
+        history = self._history.for_sample(sampled_rows, output_indices) if self._history.any_tracked else None
+        result = sample(logits, sampling_rows, history)
         if self.sends_sampled:
             self.model.send_sampled(result)
         self.last_token.index_copy_(0, stage("sampled_rows", sampled_rows), result.token_ids)
@@ -326,39 +337,16 @@ class Engine(RequestRows):
         """The items, but those of rows with penalties whose history would have a gap (tokens before
         the item's start that the row was neither fed nor given): a penalty over part of a request's
         tokens is a wrong output, so such an item is refused (the scheduler rebuilds the request)."""
-        kept = []
+        kept, tracked, lengths = [], self._history.tracked, self._history.lengths
         for item in items:
             row = self._row_of.get(item.request_id)
-            fed = self._fed.get(row) if row is not None else None
-            if fed is not None and item.start_position > len(fed):
+            if row is not None and tracked[row] and item.start_position > lengths[row]:
                 outcome.errors.append(ItemRefusal(
-                    item.request_id, "bad_item", f"its penalty history holds {len(fed)} tokens, but the item starts "
-                                                 f"at {item.start_position}"))
+                    item.request_id, "bad_item", f"its penalty history holds {lengths[row]} tokens, but the item "
+                                                 f"starts at {item.start_position}"))
                 continue
             kept.append(item)
         return kept
-
-    def _remember_fed(self, columns: StepColumns) -> None:
-        """Rows with penalties keep every token fed: their prompt and output so far."""
-        if not self._fed:
-            return
-        for row, start, tokens in zip(columns.rows, columns.starts, columns.fed_tokens):
-            fed = self._fed.get(row)
-            if fed is not None:
-                del fed[start:]
-                fed.extend(tokens)
-
-    def _penalty_history(self, rows: np.ndarray, output_indices: np.ndarray,
-                         device: torch.device) -> PenaltyHistory | None:
-        if not self._fed or not any(row in self._fed for row in rows.tolist()):
-            return None
-        prompts, outputs = [], []
-        for row, output_index in zip(rows.tolist(), output_indices.tolist()):
-            fed = self._fed.get(row, ())
-            split = len(fed) - output_index  # fed = prompt + the outputs before this one
-            prompts.append(fed[:split])
-            outputs.append(fed[split:])
-        return PenaltyHistory.from_lists(prompts, outputs, device=device)
 
     @staticmethod
     def _take_logprobs(result, request_ids: list[str], params: list["SamplingParams"], outcome: StepOutcome) -> None:

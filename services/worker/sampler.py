@@ -62,6 +62,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -92,12 +93,14 @@ class _Rows:
         return tensor if self.index is None else tensor.index_select(0, self.index)
 
 
-def _rows(positions: list[int], total: int, device: torch.device) -> _Rows | None:
-    if not positions:
+def _rows(mask: np.ndarray, device: torch.device) -> _Rows | None:
+    """The rows where a host-side boolean mask over a batch (or a group) holds."""
+    positions = np.flatnonzero(mask)
+    if not positions.size:
         return None
-    if len(positions) == total:
-        return _Rows(None, total)
-    return _Rows(torch.tensor(positions, dtype=torch.long, device=device), len(positions))
+    if positions.size == mask.size:
+        return _Rows(None, positions.size)
+    return _Rows(torch.from_numpy(positions).to(device, non_blocking=True), positions.size)
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,9 @@ class SamplingRows:
     seed: torch.Tensor  # [B] int64 in [0, 2**63)
     output_index: torch.Tensor  # [B] int64 in [0, 2**31): index of the token being sampled
     logprobs: torch.Tensor  # [B] int64: -1 none; n >= 0 the chosen token's log-probability and n top ones
-    # Host side: every parameter as a tuple of Python values (the plans' source), and summaries.
-    host: dict[str, tuple] = field(repr=False)
+    # Host side: every parameter as a numpy array (the plans' source: row subsets by vectorized
+    # masks, no Python per row), and summaries.
+    host: dict[str, np.ndarray] = field(repr=False)
     all_greedy: bool
     any_top_k: bool
     max_top_k: int
@@ -182,16 +186,17 @@ class SamplingRows:
             for name, value in values.items():
                 host[name].append(value)
         device = torch.device(device)
-        tensors = {name: torch.tensor(values, dtype=torch.long if name in _INTEGER_FIELDS else torch.float32,
-                                      device=device) for name, values in host.items()}
-        rows = cls(**tensors, host={name: tuple(values) for name, values in host.items()},
-                   all_greedy=all(t == 0 for t in host["temperature"]),
-                   any_top_k=any(k > 0 for k in host["top_k"]),
-                   max_top_k=max(host["top_k"], default=0),
-                   any_top_p=any(p < 1 for p in host["top_p"]),
-                   any_min_p=any(p > 0 for p in host["min_p"]),
-                   any_penalty=any(_has_penalty(host, row) for row in range(len(params))),
-                   max_logprobs=min(MAX_TOP_LOGPROBS, max(host["logprobs"], default=-1)))
+        arrays = {name: np.asarray(values, dtype=np.int64 if name in _INTEGER_FIELDS else np.float32)
+                  for name, values in host.items()}
+        tensors = {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+        rows = cls(**tensors, host=arrays,
+                   all_greedy=bool((arrays["temperature"] == 0).all()),
+                   any_top_k=bool((arrays["top_k"] > 0).any()),
+                   max_top_k=int(arrays["top_k"].max(initial=0)),
+                   any_top_p=bool((arrays["top_p"] < 1).any()),
+                   any_min_p=bool((arrays["min_p"] > 0).any()),
+                   any_penalty=bool(_penalty_mask(arrays).any()),
+                   max_logprobs=min(MAX_TOP_LOGPROBS, int(arrays["logprobs"].max(initial=-1))))
         if vocab_size is not None:
             rows.plan(vocab_size)
         return rows
@@ -203,41 +208,38 @@ class SamplingRows:
         return self._keys
 
     def plan(self, vocab_size: int) -> _Plan:
-        """The row subsets of each stage (a Python loop over rows: once per rows and V)."""
+        """The row subsets of each stage (vectorized masks over the host arrays: once per rows and V)."""
         if vocab_size not in self._plans:
             self._plans[vocab_size] = self._make_plan(vocab_size)
         return self._plans[vocab_size]
 
     def _make_plan(self, vocab_size: int) -> _Plan:
-        host, total, device = self.host, self.batch_size, self.seed.device
-        sampled = [row for row in range(total) if host["temperature"][row] > 0]
+        host, device = self.host, self.seed.device
+        temperature, top_k = host["temperature"], host["top_k"]
+        sampled = temperature > 0
         # top_k >= V keeps everything: such a row is a no-top-k row, whatever k it names.
-        top_k = [row for row in sampled if 0 < host["top_k"][row] < vocab_size]
-        full = [row for row in sampled if not 0 < host["top_k"][row] < vocab_size]
-        penalty = [row for row in range(total) if _has_penalty(host, row)]
+        cut = sampled & (top_k > 0) & (top_k < vocab_size)
+        penalty = _penalty_mask(host)
 
-        def group(members: list[int]) -> _Group | None:
-            if not members:
+        def group(members: np.ndarray) -> _Group | None:
+            rows = _rows(members, device)
+            if rows is None:
                 return None
-            return _Group(_rows(members, total, device),
-                          unit_temperature=all(host["temperature"][row] == 1 for row in members),
-                          min_p=_rows([i for i, row in enumerate(members) if host["min_p"][row] > 0],
-                                      len(members), device),
-                          top_p=_rows([i for i, row in enumerate(members) if host["top_p"][row] < 1],
-                                      len(members), device),
-                          max_top_k=max(host["top_k"][row] for row in members))
+            return _Group(rows, unit_temperature=bool((temperature[members] == 1).all()),
+                          min_p=_rows(host["min_p"][members] > 0, device),
+                          top_p=_rows(host["top_p"][members] < 1, device),
+                          max_top_k=int(top_k[members].max()))
 
-        return _Plan(greedy=_rows([row for row in range(total) if host["temperature"][row] == 0], total, device),
-                     top_k=group(top_k), full=group(full), penalty=_rows(penalty, total, device),
-                     repetition=any(host["repetition_penalty"][row] != 1 for row in penalty),
-                     frequency=any(host["frequency_penalty"][row] != 0 for row in penalty),
-                     presence=any(host["presence_penalty"][row] != 0 for row in penalty),
-                     logprobs=_rows([row for row in range(total) if host["logprobs"][row] >= 0], total, device))
+        return _Plan(greedy=_rows(~sampled, device), top_k=group(cut), full=group(sampled & ~cut),
+                     penalty=_rows(penalty, device),
+                     repetition=bool((host["repetition_penalty"][penalty] != 1).any()),
+                     frequency=bool((host["frequency_penalty"][penalty] != 0).any()),
+                     presence=bool((host["presence_penalty"][penalty] != 0).any()),
+                     logprobs=_rows(host["logprobs"] >= 0, device))
 
 
-def _has_penalty(host: dict, row: int) -> bool:
-    return (host["presence_penalty"][row] != 0 or host["frequency_penalty"][row] != 0
-            or host["repetition_penalty"][row] != 1)
+def _penalty_mask(host: dict[str, np.ndarray]) -> np.ndarray:
+    return (host["presence_penalty"] != 0) | (host["frequency_penalty"] != 0) | (host["repetition_penalty"] != 1)
 
 
 def _check(values: dict) -> None:
@@ -736,7 +738,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows, history: PenaltyHistory | N
            num_logprobs: int | None = None, workspace: Workspace | None = None) -> SamplerOutput:
     """[B, V] logits (any float dtype; left unchanged) -> the next token of every row, and the
     logprobs the rows asked for (num_logprobs: that many top logprobs for every row instead).
-    No device sync unless a stage needs one: top_p rejection rounds, ties at a top_k cut."""
+    No device sync unless a stage needs one: three per top_p rejection round (the rows to check,
+    the blocks above the drawn tokens, the rows rejected), one for a top_k cut (a tie run past the
+    candidates?)."""
     count, vocab_size = logits.shape
     if count != rows.batch_size:
         raise ValueError(f"{count} logit rows for {rows.batch_size} sampling rows")

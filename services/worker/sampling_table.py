@@ -50,9 +50,9 @@ class SamplingTable:
         floats = self._device_floats.index_select(1, index)
         ints = self._device_ints.index_select(1, index)
         host_floats, host_ints = self.floats[:, rows], self.ints[:, rows]
-        host = {name: tuple(host_floats[i].tolist()) for i, (name, _) in enumerate(FLOAT_FIELDS)}
-        host |= {name: tuple(host_ints[i].tolist()) for i, (name, _) in enumerate(INT_FIELDS)}
-        host["output_index"] = tuple(output_indices.tolist())
+        host = {name: host_floats[i] for i, (name, _) in enumerate(FLOAT_FIELDS)}
+        host |= {name: host_ints[i] for i, (name, _) in enumerate(INT_FIELDS)}
+        host["output_index"] = output_indices
         temperature, top_p, min_p, presence, frequency, repetition = host_floats
         top_k, _, logprobs = host_ints
         sampling_rows = SamplingRows(
