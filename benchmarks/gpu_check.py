@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.bench.logits import LogitsEngine  # noqa: E402  (the engine, which also hands back logits)
 from services.worker.engine import Engine  # noqa: E402  (torch and numpy only)
 from services.worker.hardware import profile_from_measurement  # noqa: E402  (the standard library only)
 from services.worker.kv_cache import PagedKVCache  # noqa: E402
@@ -120,7 +121,7 @@ def make_engine(config: ModelConfig, device: torch.device, dtype: torch.dtype, w
                             max_rows=max_batch, max_blocks_per_row=-(-config.context_length // BLOCK_SIZE),
                             scratch_block=graphs)
     workspace = 65536 if device.type == "cpu" else 0
-    engine = Engine(model, kv_cache, "batched", workspace, max_batch, static_decode=graphs)
+    engine = LogitsEngine(model, kv_cache, "batched", workspace, max_batch, static_decode=graphs)
     if engine.graphs is not None:
         engine.graphs.in_place = engine.graphs.in_place and in_place
     return engine

@@ -56,7 +56,7 @@ def stand_in_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 def real_logits(rows: int) -> torch.Tensor:
     """SmolLM2's next-token logits after `rows` corpus prompts of different lengths."""
     from benchmarks.engine import item, prompt_ids
-    from services.worker.engine import Engine
+    from services.bench.logits import LogitsEngine as Engine  # (its steps hand back the logits)
     from shared.config import Settings
     from shared.messages import SamplingParams
     from shared.tokenizer import Tokenizer

@@ -17,8 +17,8 @@ services/scheduler/running_rows.py) and builds each plan as these columns (Colum
 encode_plan); it reads results as columns too (read_result_columns), so no object is made per item
 on its side. `PlanReader` (the worker's) keeps the handles; it starts over with a new scheduler
 epoch or a plan that says free_all. A plan naming a handle the worker does not hold gets an
-`unknown_request` error for that item. `PlanCodec` makes the same plans from BatchPlans, by
-request id, for tests and tools.
+`unknown_request` error for that item. (services/bench/by_request_id.py makes the same plans from
+BatchPlans, by request id, for tests and tools.)
 
 A plan whose every item samples (decodes, prompts' last chunks) may say it runs several steps
 (Settings.scheduler_steps, vLLM v0's multi-step scheduling): the worker runs it, then runs its
@@ -43,8 +43,7 @@ import msgpack
 import numpy as np
 
 from shared.keys import valid_request_id
-from shared.messages import (BatchPlan, ItemError, NewRequest, PlanResult, SampledToken, SamplingParams, StepItem,
-                             from_fields)
+from shared.messages import BatchPlan, NewRequest, SamplingParams, StepItem, from_fields
 from shared.wire import WireError
 
 PLAN_FORMAT = 3
@@ -320,104 +319,8 @@ def split_steps(result: ResultColumns) -> list[ResultColumns]:
     return answers
 
 
-class PlanCodec:
-    """Plans and results by request id, for one worker (tests and tools that make plans as
-    BatchPlans): hands out the handles, then encodes as the scheduler does. A handle freed by a
-    later plan may name another request by the time an answer comes: it is read as it was sent."""
-
-    def __init__(self) -> None:
-        self.epoch = ""
-        self._handle_of: dict[str, int] = {}
-        self._free_handles: list[int] = []
-        self._next_handle = 0
-        self._sent: dict[int, dict[int, str]] = {}  # each plan not answered: its items' handle -> request id
-
-    def encode(self, plan: BatchPlan, answer_with_next: bool = False, steps: int = 1,
-               item_steps: Sequence[int] = ()) -> bytes:
-        """item_steps: in the plan's item order (encoded in wire order: its fed decodes first)."""
-        if plan.scheduler_epoch != self.epoch or plan.free_all:
-            self.epoch = plan.scheduler_epoch
-            self._handle_of.clear()
-            self._free_handles.clear()
-            self._next_handle = 0
-            self._sent.clear()
-        # Registrations name requests this plan may free: their handles are read before the frees.
-        registered = tuple(self._handle_of[request_id] for request_id, _, _ in plan.register_blocks)
-        freed = []
-        for request_id in plan.free_request_ids:
-            handle = self._handle_of.pop(request_id, None)
-            if handle is not None:
-                self._free_handles.append(handle)
-                freed.append(handle)
-        new_handles = []
-        for request in plan.new_requests:
-            handle = self._handle_of.get(request.request_id)
-            if handle is None:
-                if self._free_handles:
-                    handle = self._free_handles.pop()
-                else:
-                    if self._next_handle > MAX_HANDLE:
-                        raise ValueError(f"more than {MAX_HANDLE + 1} requests on one worker")
-                    handle, self._next_handle = self._next_handle, self._next_handle + 1
-                self._handle_of[request.request_id] = handle
-            new_handles.append(handle)
-        decodes = [item for item in plan.items if item.feeds_sampled and item.sample]
-        others = [item for item in plan.items if not (item.feeds_sampled and item.sample)]
-        for step in range(steps):  # (a step's answer names the requests that run it)
-            self._sent[plan.plan_id + step] = {self._handle_of[item.request_id]: item.request_id for item in plan.items}
-        if item_steps:
-            steps_of = dict(zip([item.request_id for item in plan.items], item_steps, strict=True))
-            item_steps = [steps_of[item.request_id] for item in decodes + others]
-
-        return encode_plan(ColumnPlan(
-            scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=plan.worker_id,
-            free_all=plan.free_all, new_requests=plan.new_requests, new_handles=tuple(new_handles),
-            free_handles=tuple(freed), register_blocks=plan.register_blocks, register_handles=registered,
-            evict_blocks=plan.evict_blocks,
-            decode_handles=[self._handle_of[item.request_id] for item in decodes],
-            decode_outputs=[item.output_index for item in decodes],
-            handles=[self._handle_of[item.request_id] for item in others],
-            starts=[item.start_position for item in others], counts=[len(item.token_ids) for item in others],
-            samples=[item.sample for item in others], outputs=[item.output_index for item in others],
-            tokens=[token for item in others for token in item.token_ids], answer_with_next=answer_with_next,
-            steps=steps, item_steps=item_steps))
-
-    def decode_results(self, raw: dict) -> list[PlanResult]:
-        """A worker's answer (as read_result gave it), one PlanResult per step it answers (the
-        answer to a plan of several steps: split_steps), its handles read back as the plan it answers
-        named them (an answer to no plan of this codec's, an older epoch's say, comes back with no
-        token and no error)."""
-        return [self._decode_step(columns) for columns in split_steps(read_result_columns(raw))]
-
-    def _decode_step(self, columns: ResultColumns) -> PlanResult:
-        sent = self._sent.pop(columns.plan_id, {}) if columns.scheduler_epoch == self.epoch else {}
-        tokens = []
-        for position, (handle, token_id, output_index) in enumerate(zip(
-                columns.handles, columns.token_ids, columns.output_indexes)):
-            request_id = sent.get(handle)
-            if request_id is not None:
-                logprob, top = columns.logprobs.get(position, (None, ()))
-                tokens.append(SampledToken(request_id, token_id, output_index, logprob, top))
-        errors = tuple(ItemError(request_id=sent[handle], code=code, message=message)
-                       for handle, code, message in columns.errors if handle in sent)
-        return PlanResult(
-            scheduler_epoch=columns.scheduler_epoch, plan_id=columns.plan_id, worker_id=columns.worker_id,
-            tokens=tuple(tokens), errors=errors, kv_blocks_total=columns.kv_blocks_total,
-            kv_blocks_free=columns.kv_blocks_free, kv_blocks_cached=columns.kv_blocks_cached,
-            step_seconds=columns.step_seconds, entries_written=columns.entries_written,
-            unwritten=frozenset(sent[handle] for handle in columns.unwritten if handle in sent),
-            cache_digest=columns.cache_digest)
-
-    def decode_result(self, raw: dict) -> PlanResult:
-        """The answer to a plan of one step (decode_results: of any)."""
-        results = self.decode_results(raw)
-        if len(results) != 1:
-            raise ValueError(f"an answer to {len(results)} steps: decode_results reads it")
-        return results[0]
-
-
 def read_result(data: bytes) -> tuple[str, dict]:
-    """A result's worker id and its fields, for that worker's PlanCodec.decode_result."""
+    """A result's worker id and its fields (read_result_columns reads them)."""
     raw = _unpack("PlanResult", data)
     return _field(raw, "PlanResult", "w", str), raw
 

@@ -90,10 +90,3 @@ def decode_token_event(data: bytes):
         return TokenEvent.model_validate(raw)
     except ValidationError as error:
         raise WireError(f"TokenEvent: {error}") from error
-
-
-def encode_event(event) -> bytes:
-    """A TokenEvent object in the positional form (tests and the odd writer that has one)."""
-    return encode_token_event(event.index, event.token_id, event.text, event.finish_reason, event.prompt_tokens,
-                              event.completion_tokens, event.logprob, tuple(event.top_logprobs),
-                              event.cached_tokens)

@@ -7,6 +7,7 @@ import torch
 
 from services.worker.attention import AttentionMode
 from services.worker.decode_graphs import DecodeGraphs
+from services.bench.logits import LogitsEngine
 from services.worker.engine import Engine
 from services.worker.model import Llama
 from shared.config import Settings
@@ -47,10 +48,16 @@ def generate_alone(engine: Engine, request_id: str, prompt: list[int], count: in
     return output
 
 
-def smollm2_engine_alone() -> Engine:
+def cached_hashes(kv_cache) -> dict[bytes, int]:
+    """Every block registered in an executor's prefix cache (services/worker/kv_cache.py) and the rows
+    holding it (0: idle): what the tests compare with the scheduler's copy."""
+    return {block_hash: int(kv_cache._references[block]) for block_hash, block in kv_cache._block_of_hash.items()}
+
+
+def smollm2_engine_alone() -> LogitsEngine:
     """The packaged model in this process, on one thread: the system tests' oracle."""
     torch.set_num_threads(1)
-    return Engine.from_settings(Settings(kv_blocks=64, device="cpu"))
+    return LogitsEngine.from_settings(Settings(kv_blocks=64, device="cpu"))
 
 
 TINY_CONFIG = ModelConfig(
@@ -94,13 +101,14 @@ def tiny_random_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dic
 
 def tiny_engine(kv_blocks: int = 64, kv_block_size: int = 4, attention: AttentionMode = "batched", seed: int = 0,
                 config: ModelConfig = TINY_CONFIG, decode_workspace_tokens: int = 65536, static_decode: bool = False,
-                compile: bool = False, max_batch_size: int = 64) -> Engine:
+                compile: bool = False, max_batch_size: int = 64) -> LogitsEngine:
     """An engine over a seeded random tiny model, on the CPU in float32."""
     device = torch.device("cpu")
     model = Llama(config, tiny_random_weights(config, seed), device, torch.float32, compile=compile)
     settings = Settings(kv_blocks=kv_blocks, kv_block_size=kv_block_size, max_batch_size=max_batch_size)
     kv_cache = Engine.kv_cache_for(config, settings, device, torch.float32, scratch_block=static_decode)
-    return Engine(model, kv_cache, attention, decode_workspace_tokens, max_batch_size, static_decode=static_decode)
+    return LogitsEngine(model, kv_cache, attention, decode_workspace_tokens, max_batch_size,
+                        static_decode=static_decode)
 
 
 def static_decode_steps_agree_with_the_per_request_path(steps: int = 40) -> DecodeGraphs:

@@ -31,7 +31,8 @@ from shared.messages import (
     StepItem,
     WorkerInfo,
 )
-from shared.plans import PLAN_FORMAT, PlanCodec
+from services.bench.by_request_id import PlanCodec
+from shared.plans import PLAN_FORMAT
 from tests.fuzzing import bad_payloads
 from tests.redis_server import RedisProcess
 from tests.system import REPO, System

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from services.bench.by_request_id import apply_result
 from services.scheduler.policy import SchedulerPolicy
 from services.worker.emulated import FIRST_TOKEN, EmulatedEngine, context_digest, emulated_token, emulated_tokens
 from services.worker.hardware import ProfileError, known_profiles, load_profile, parse_profile
@@ -186,7 +187,7 @@ def test_kv_accounting_matches_the_real_engine_replaying_the_same_plans():
         assert real.kv_cache.blocks_free == fake.kv_cache.blocks_free, f"plan {plan.plan_id}"
         for item in plan.items:
             assert real.kv_length(item.request_id) == fake.kv_length(item.request_id), item.request_id
-        policy.on_result(PlanResult(
+        apply_result(policy, PlanResult(
             scheduler_epoch="replay", plan_id=plan.plan_id, worker_id="w", kv_blocks_total=24,
             kv_blocks_free=real.kv_cache.blocks_free, step_seconds=0.0, errors=tuple(
                 _item_error(error) for error in got.errors),
@@ -378,7 +379,7 @@ async def test_a_worker_runs_the_plans_read_ahead_back_to_back_and_answers_them_
     from shared import keys
     from shared.config import Settings
     from shared.messages import BatchPlan, NewRequest
-    from shared.plans import PlanCodec, read_result
+    from services.bench.by_request_id import PlanCodec, read_result
 
     settings = Settings(redis_url=redis_url, executor="emulated", hardware="h100-llama3-8b", kv_blocks=64,
                         drain_seconds=0.5)  # (it still holds r1 at the end)
@@ -449,7 +450,7 @@ async def test_plans_sent_together_are_answered_in_one_write_and_no_answer_waits
 
     from shared import keys
     from shared.messages import BatchPlan, NewRequest
-    from shared.plans import PlanCodec, read_result
+    from services.bench.by_request_id import PlanCodec, read_result
 
     worker, engine, published = emulated_worker(redis_url, "w-together")
     request_id = "0" * 31 + "1"
@@ -508,7 +509,7 @@ async def test_a_plan_of_several_steps_runs_them_all_and_answers_them_in_one_res
 
     from shared import keys
     from shared.messages import BatchPlan, NewRequest
-    from shared.plans import PlanCodec, read_result
+    from services.bench.by_request_id import PlanCodec, read_result
 
     worker, engine, published = emulated_worker(redis_url, "w-steps")
     long_id, short_id = "0" * 31 + "1", "0" * 31 + "2"

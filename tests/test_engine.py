@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.bench.logits import LogitsEngine
 from services.worker.engine import Engine
 from services.worker.kv_cache import KVCacheFull
 from shared.config import Settings
@@ -35,7 +36,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def real_engine():
     torch.set_num_threads(2)
-    return Engine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="float32"))
+    return LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="float32"))
 
 
 # The real model against the oracle
@@ -85,7 +86,7 @@ def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transfor
     RMS within 0.1 x the logits' RMS and its largest value within 0.25 x (measured: RMS 0.006-0.08,
     largest 0.02-0.17 on a CPU with AVX2 alone, the largest on the prompt where transformers' own
     bfloat16 differs most, 0.095; largest 0.09 on an H200, which benchmarks/gpu_check.py holds to 0.15)."""
-    engine = Engine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="bfloat16"))
+    engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="bfloat16"))
     assert engine.model.dtype == torch.bfloat16
     agree = total = 0
     for index, messages in enumerate(CHAT_PROMPTS):

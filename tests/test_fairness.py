@@ -2,6 +2,7 @@
 round-robin across keys, FCFS within a key, without Redis. The system-level test with two keys
 is in tests/test_admission_system.py."""
 
+from services.bench.by_request_id import apply_result
 from services.scheduler.policy import SchedulerPolicy
 from shared.messages import RequestRecord, SamplingParams
 from tests.test_scheduler_policy import FakeWorker, drive, make_policy
@@ -67,7 +68,7 @@ def test_a_key_back_from_idle_is_not_punished_for_what_it_was_served_before():
     while policy.waiting_count + policy.running_count:
         plan = policy.next_plan("w1")
         joined += [new.request_id for new in plan.new_requests]
-        policy.on_result(worker.run(plan))
+        apply_result(policy, worker.run(plan))
         if joined[-1:] == ["a3"] and "b3" not in prompts:  # key-b, idle since b2, sends again
             late = keyed("b3", "key-b", arrival=20)
             prompts["b3"] = late.prompt_token_ids

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from services.bench.logits import LogitsEngine
 from services.worker.engine import Engine
 from shared.config import Settings
 from shared.model_file import ModelFileError, load_metadata
@@ -46,7 +47,7 @@ def private_cache(tmp_path_factory):
 
 
 def engine_for(model: str) -> Engine:
-    return Engine.from_settings(Settings(model=model, kv_blocks=64, kv_block_size=8, device="cpu", dtype="float32",
+    return LogitsEngine.from_settings(Settings(model=model, kv_blocks=64, kv_block_size=8, device="cpu", dtype="float32",
                                          max_batch_size=8))
 
 

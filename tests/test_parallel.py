@@ -40,6 +40,7 @@ def _rank_main(rank: int, layout: Layout, init_file: str, config, answers) -> No
     """One rank: its share as an Engine, every prompt generated alone; every rank reports."""
     import torch.distributed as dist
 
+    from services.bench.logits import LogitsEngine
     from services.worker.engine import Engine
     from services.worker.parallel import ParallelLlama, make_tensor_groups, stage_layers
     from shared.config import Settings
@@ -53,7 +54,7 @@ def _rank_main(rank: int, layout: Layout, init_file: str, config, answers) -> No
         model = ParallelLlama(config, tiny_random_weights(config), device, torch.float32, layout)
         assert model.config.n_layers == len(stage_layers(config, layout, layout.stage(rank)))
         settings = Settings(kv_blocks=64, kv_block_size=4)
-        engine = Engine(model, Engine.kv_cache_for(model.config, settings, device, torch.float32))
+        engine = LogitsEngine(model, Engine.kv_cache_for(model.config, settings, device, torch.float32))
         results = []
         for index, prompt in enumerate(PROMPTS):
             logits: list[torch.Tensor] = []

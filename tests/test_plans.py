@@ -8,7 +8,8 @@ import random
 import msgpack
 
 from shared.messages import BatchPlan, NewRequest, SamplingParams, StepItem
-from shared.plans import PLAN_FORMAT, PlanCodec, PlanReader, read_result
+from services.bench.by_request_id import PlanCodec
+from shared.plans import PLAN_FORMAT, PlanReader, read_result
 
 
 def _random_plans(rng: random.Random, count: int):

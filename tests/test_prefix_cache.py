@@ -15,10 +15,10 @@ from services.scheduler.prefix_cache import extend_chain, root_hash
 from services.worker.emulated import EmulatedEngine, emulated_tokens
 from services.worker.hardware import load_profile
 from services.worker.kv_cache import BlockTables, CacheMismatch
-from services.worker.service import plan_result
+from services.bench.by_request_id import apply_result, plan_result
 from shared import cache_digest
 from shared.messages import BatchPlan, NewRequest, RequestRecord, SamplingParams
-from tests.engine_helpers import TINY_CONFIG, generate_alone, prefill_item, tiny_engine
+from tests.engine_helpers import TINY_CONFIG, cached_hashes, generate_alone, prefill_item, tiny_engine
 from tests.requirements import import_or_skip
 
 BLOCK = 4
@@ -84,9 +84,9 @@ class Cluster:
             executor.reset()
         executor.take_plan(plan)
         if self.check_copies:
-            assert executor.kv_cache.cached_hashes() == copy, f"worker {worker_id}, plan {plan.plan_id}"
+            assert cached_hashes(executor.kv_cache) == copy, f"worker {worker_id}, plan {plan.plan_id}"
         outcome = executor.step(plan.items)
-        self.policy.on_result(plan_result(plan, outcome, worker_id, executor.kv_cache))
+        apply_result(self.policy, plan_result(plan, outcome, worker_id, executor.kv_cache))
         self.policy.take_finished_without_token()
         self.policy.take_iteration_records()
         return True
@@ -125,7 +125,7 @@ class Cluster:
             assert (counts[worker_id]["cached"], counts[worker_id]["free"]) == (kv.blocks_cached, kv.blocks_free)
             assert kv.blocks_cached + kv.blocks_free == kv.blocks_total
             assert type(kv.blocks_cached) is int  # it goes on the wire as it is
-            assert set(kv.cached_hashes().values()) <= {0}
+            assert set(cached_hashes(kv).values()) <= {0}
 
 
 # The worker's side: refcounts, idle blocks, commands that do not fit
@@ -143,7 +143,7 @@ def test_block_tables_share_registered_blocks_keep_them_idle_and_refuse_commands
         tables.register(0, 1, b"d" * 16)  # registered already
     tables.adopt(1, [b"a" * 16, b"b" * 16])
     assert tables.lengths[1] == 4 and list(tables.block_table(1)) == list(tables.block_table(0)[:2])
-    assert tables.cached_hashes() == {b"a" * 16: 2, b"b" * 16: 2}
+    assert cached_hashes(tables) == {b"a" * 16: 2, b"b" * 16: 2}
     tables.free(0)  # its own third block returns to the pool; the shared two stay held by row 1
     assert (tables.blocks_free, tables.blocks_cached) == (4, 0)
     with pytest.raises(CacheMismatch):
@@ -152,11 +152,11 @@ def test_block_tables_share_registered_blocks_keep_them_idle_and_refuse_commands
     assert (tables.blocks_free, tables.blocks_cached) == (4, 2)
     with pytest.raises(CacheMismatch):
         tables.adopt(2, [b"a" * 16, b"z" * 16])  # not all cached: nothing changes
-    assert tables.blocks_held[2] == 0 and tables.cached_hashes() == {b"a" * 16: 0, b"b" * 16: 0}
+    assert tables.blocks_held[2] == 0 and cached_hashes(tables) == {b"a" * 16: 0, b"b" * 16: 0}
     tables.evict([b"b" * 16])
     assert (tables.blocks_free, tables.blocks_cached) == (5, 1)
     tables.free_all()
-    assert (tables.blocks_free, tables.blocks_cached, tables.cached_hashes()) == (6, 0, {})
+    assert (tables.blocks_free, tables.blocks_cached, cached_hashes(tables)) == (6, 0, {})
 
 
 def test_a_plan_whose_cache_commands_do_not_fit_is_refused_by_the_executor():
@@ -259,7 +259,7 @@ def test_a_worker_cache_that_drifts_from_the_schedulers_copy_is_caught_and_start
         cluster.drain()
     assert cluster.policy.prefix_cache_mismatches == 1
     assert "prefix_cache_digest_mismatch worker_id=w" in caplog.text
-    assert b"s" * 16 not in executor.kv_cache.cached_hashes(), "the worker's cache was not started over"
+    assert b"s" * 16 not in cached_hashes(executor.kv_cache), "the worker's cache was not started over"
     # The scheduler's copy loses a hash (a bookkeeping bug): caught the same way.
     copy = cluster.policy.worker("w").cache
     lost = next(iter(copy.idle))
@@ -293,7 +293,7 @@ def test_shared_blocks_outlive_a_cancelled_request_and_are_evicted_least_recentl
     cluster.policy.cancel("a")
     cluster.tick()
     assert [worker.cache.references[h] for h in chain] == [1, 1], "a's references returned at once"
-    assert engine.kv_cache.cached_hashes()[chain[0]] == 1
+    assert cached_hashes(engine.kv_cache)[chain[0]] == 1
     cluster.drain()
     assert cluster.output("b") == generate_alone(tiny_engine(kv_blocks=12, kv_block_size=BLOCK), "b", prefix + [3], 6)
     cluster.assert_nothing_held()

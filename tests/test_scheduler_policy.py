@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import pytest
 
+from services.bench.by_request_id import apply_result
 from services.scheduler.policy import SchedulerPolicy
 from shared import cache_digest
 from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
@@ -46,6 +47,25 @@ def answer(plan: BatchPlan, token=token_for, errors: tuple[ItemError, ...] = (),
                      for item in plan.items if item.sample and item.request_id not in failed),
         errors=errors, kv_blocks_total=0, kv_blocks_free=0, step_seconds=step_seconds,
     )
+
+
+def row_disagreements(policy: SchedulerPolicy) -> list[str]:
+    """Where a worker's rows (services/scheduler/running_rows.py) and its running requests differ:
+    none, or the bookkeeping is broken (checked after every result)."""
+    found = []
+    for worker_id in policy.worker_ids:
+        worker = policy.worker(worker_id)
+        rows, running = worker.rows, worker.running
+        order = [state.request_id for state in rows.order]
+        if sorted(order) != sorted(running):
+            found.append(f"{worker_id}: rows hold {sorted(order)}, the worker runs {sorted(running)}")
+        if [state.fcfs_key for state in rows.order] != sorted(state.fcfs_key for state in rows.order):
+            found.append(f"{worker_id}: rows out of FCFS order")
+        found += [f"{worker_id}: {state.request_id}: row {state.row} holds another" for state in rows.order
+                  if not 0 <= state.row < len(rows.states) or rows.states[state.row] is not state]
+        found += [f"{worker_id}: row {row} held by {state.request_id}, not running"
+                  for row, state in enumerate(rows.states) if state is not None and state not in rows.order]
+    return found
 
 
 class FakeWorker:
@@ -153,8 +173,8 @@ def drive(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max_rounds: i
             if plan is None:
                 continue
             plans.append(plan)
-            collect(policy.on_result(worker.run(plan)), outputs, reasons)
-            assert policy.row_disagreements() == []
+            collect(apply_result(policy, worker.run(plan)), outputs, reasons)
+            assert row_disagreements(policy) == []
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -182,8 +202,8 @@ def drive_pipelined(policy: SchedulerPolicy, workers: dict[str, FakeWorker], max
                 for result in worker.run_all(queued[worker_id].pop(0), together):
                     # (as the service applies an answer: a plan of several steps whole, or a step at a time)
                     for answer in policy.answers_to_apply(result) if together else [result]:
-                        collect(policy.on_result(answer), outputs, reasons, seen)
-                        assert policy.row_disagreements() == []
+                        collect(apply_result(policy, answer), outputs, reasons, seen)
+                        assert row_disagreements(policy) == []
         for state in policy.take_finished_without_token():
             reasons[state.request_id] = state.finish_reason
     raise AssertionError("requests did not finish")
@@ -215,7 +235,7 @@ def test_max_batch_size_and_token_budget_limit_a_batch():
     assert [(item.request_id, len(item.token_ids), item.sample) for item in plan.items] == [
         ("r0", 4, True), ("r1", 4, True), ("r2", 2, False)]
     assert sum(len(item.token_ids) for item in plan.items) <= 10
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     plan = policy.next_plan("w1")
     # Decodes first, then the rest of r2's prompt; no fourth request: the batch is full.
     assert [(item.request_id, item.start_position, len(item.token_ids), item.sample) for item in plan.items] == [
@@ -235,7 +255,7 @@ def test_long_prompt_is_prefilled_in_chunks_and_samples_only_at_its_last_chunk()
         assert step == (expected_start, expected_len, expected_sample)
         assert item.output_index == 0
         fed.extend(item.token_ids)
-        outcomes = policy.on_result(answer(plan))
+        outcomes = apply_result(policy, answer(plan))
         assert len(outcomes) == (1 if expected_sample else 0)
     assert tuple(fed) == long.prompt_token_ids
     plan = policy.next_plan("w1")
@@ -249,12 +269,12 @@ def test_prefill_and_decode_share_a_batch_and_output_index_counts_up():
     policy.add_request(record("a", prompt_len=3, arrival=0, max_tokens=4))
     plan = policy.next_plan("w1")
     assert [item.output_index for item in plan.items] == [0]
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     policy.add_request(record("b", prompt_len=5, arrival=1))
     plan = policy.next_plan("w1")
     assert [(item.request_id, len(item.token_ids), item.output_index) for item in plan.items] == [
         ("a", 1, 1), ("b", 5, 0)]
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     plan = policy.next_plan("w1")
     assert [(item.request_id, item.start_position, item.output_index) for item in plan.items] == [
         ("a", 4, 2), ("b", 5, 1)]
@@ -269,7 +289,7 @@ def test_finished_request_leaves_and_a_waiting_one_joins_at_the_next_plan():
     policy.add_request(record("next", arrival=2))
     plan = policy.next_plan("w1")
     assert [item.request_id for item in plan.items] == ["short", "long"]
-    outcomes = policy.on_result(answer(plan))
+    outcomes = apply_result(policy, answer(plan))
     assert {outcome.request_id: outcome.finish_reason for outcome in outcomes} == {"short": "length", "long": None}
     plan = policy.next_plan("w1")
     assert [item.request_id for item in plan.items] == ["long", "next"]
@@ -288,13 +308,13 @@ def test_iteration_records_say_which_requests_were_cancelled_or_preempted_off_th
     for index, name in enumerate(("a", "b", "c")):
         policy.add_request(record(name, arrival=index, max_tokens=8))
     plan = policy.next_plan("w1")
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     policy.cancel("a")  # the record of this iteration is still open
     [first] = policy.take_iteration_records()
     assert (first.cancelled, first.finished) == (("a",), ())
     plan = policy.next_plan("w1")
     policy.cancel("b")  # its latest record is written: the next one says it
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     [second] = policy.take_iteration_records()
     assert second.cancelled == ("b",) and second.finished == () and second.preempted == ()
 
@@ -314,7 +334,7 @@ def _long_and_short_requests(policy_name: str):
             break
         for item in plan.items:
             started_at.setdefault(item.request_id, iteration)
-        for outcome in policy.on_result(worker.run(plan)):
+        for outcome in apply_result(policy, worker.run(plan)):
             if outcome.finish_reason:
                 finished_at[outcome.request_id] = iteration
     assert set(finished_at) == set(prompts), "every request finishes"
@@ -343,7 +363,7 @@ def test_no_admission_without_kv_room():
     plan = policy.next_plan("w1")
     assert [item.request_id for item in plan.items] == ["big"]
     assert policy.worker("w1").kv_blocks_free == 1
-    policy.on_result(answer(plan))  # big finishes (max_tokens=1)
+    apply_result(policy, answer(plan))  # big finishes (max_tokens=1)
     plan = policy.next_plan("w1")
     assert [item.request_id for item in plan.items] == ["other"]
     assert plan.free_request_ids == ("big",)
@@ -364,17 +384,17 @@ def test_kv_full_preempts_the_youngest_which_is_rebuilt_with_the_same_output():
     policy, young, worker = old_and_young_in_a_full_cache()
     plan = policy.next_plan("w1")  # 2 blocks each: the cache is full
     assert len(plan.items) == 2
-    policy.on_result(worker.run(plan))
+    apply_result(policy, worker.run(plan))
     plan = policy.next_plan("w1")  # both feed position 7: still 2 blocks each
     assert len(plan.items) == 2
-    policy.on_result(worker.run(plan))
+    apply_result(policy, worker.run(plan))
     plan = policy.next_plan("w1")  # position 8 needs a third block: the youngest makes room
     assert [item.request_id for item in plan.items] == ["old"]
     assert plan.free_request_ids == ("young",)
     young_state = policy.get("young")
     assert (young_state.status, young_state.worker_id, young_state.computed) == ("waiting", None, 0)
     assert len(young_state.output_token_ids) == 2, "a preempted request keeps its output"
-    policy.on_result(worker.run(plan))
+    apply_result(policy, worker.run(plan))
     outputs, reasons, plans = drive(policy, {"w1": worker})
     rebuild = next(item for plan in plans for item in plan.items if item.request_id == "young")
     assert rebuild.start_position == 0
@@ -392,14 +412,14 @@ def test_a_plan_runs_several_steps_only_within_free_kv_blocks_and_preempts_nobod
     for _ in range(2):  # 2 blocks each (the cache full), 3 each for 3 more steps: one step each time
         plans.append(policy.next_plan("w1"))
         for result in worker.run_all(plans[-1]):
-            policy.on_result(result)
+            apply_result(policy, result)
     assert [(plan.steps, len(plan.items), plan.free_request_ids) for plan in plans] == [(1, 2, ()), (1, 2, ())]
     plan = policy.next_plan("w1")  # position 8 needs a third block: the youngest makes room, as before
     assert [item.request_id for item in plan.items] == ["old"] and plan.free_request_ids == ("young",)
     assert plan.steps == 4, "alone, the old one's 3 blocks hold its next 4 tokens (its last 4: max_tokens 6)"
     outputs, reasons = defaultdict(list), {}
     for result in worker.run_all(plan):
-        collect(policy.on_result(result), outputs, reasons)
+        collect(apply_result(policy, result), outputs, reasons)
     assert outputs["old"] == expected_output("old", 6)[2:] and reasons == {"old": "length"}
     rest, reasons, _ = drive_pipelined(policy, {"w1": worker})
     assert rest["young"] == expected_output("young", 3)[2:] and reasons == {"young": "length"}
@@ -413,13 +433,13 @@ def test_kv_cache_full_error_from_the_worker_requeues_the_request():
     policy.add_request(record("b", arrival=1))
     plan = policy.next_plan("w1")
     error = ItemError(request_id="b", code="kv_cache_full", message="no blocks")
-    outcomes = policy.on_result(answer(plan, errors=(error,)))
+    outcomes = apply_result(policy, answer(plan, errors=(error,)))
     assert [outcome.request_id for outcome in outcomes] == ["a"]
     assert policy.get("b").status == "waiting"
     plan = policy.next_plan("w1")
     assert "b" in plan.free_request_ids
     assert "b" not in [item.request_id for item in plan.items], "not re-admitted in the plan that frees it"
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     plan = policy.next_plan("w1")
     assert [(item.request_id, item.start_position) for item in plan.items if item.request_id == "b"] == [("b", 0)]
     assert "b" in [new.request_id for new in plan.new_requests]
@@ -435,7 +455,7 @@ def two_requests_running_on_w1(max_tokens: int, steps: int):
         prompts[rec.request_id] = rec.prompt_token_ids
     w1 = FakeWorker(prompts)
     for _ in range(steps):
-        policy.on_result(w1.run(policy.next_plan("w1")))
+        apply_result(policy, w1.run(policy.next_plan("w1")))
     return policy, prompts, w1
 
 
@@ -448,14 +468,14 @@ def test_worker_down_moves_its_requests_to_another_worker_rebuilt_from_prompt_an
         state = policy.get(request_id)
         assert (state.status, state.worker_id, state.computed) == ("waiting", None, 0)
         assert len(state.output_token_ids) == 3
-    assert policy.on_result(answer(in_flight)) == [], "the dead worker's result is ignored"
+    assert apply_result(policy, answer(in_flight)) == [], "the dead worker's result is ignored"
     plan = policy.next_plan("w2")
     assert [new.request_id for new in plan.new_requests] == ["r0", "r1"]
     for item in plan.items:
         assert item.start_position == 0 and item.sample and item.output_index == 3
         assert item.token_ids == prompts[item.request_id] + tuple(expected_output(item.request_id, 3))
     w2 = FakeWorker(prompts)
-    policy.on_result(w2.run(plan))
+    apply_result(policy, w2.run(plan))
     outputs, reasons, _ = drive(policy, {"w2": w2})
     assert {request_id: len(tokens) for request_id, tokens in outputs.items()} == {"r0": 1, "r1": 1}
     assert reasons == {"r0": "length", "r1": "length"}
@@ -467,16 +487,16 @@ def test_a_worker_given_up_on_that_comes_back_frees_what_it_held():
     policy.add_request(record("r0", arrival=0, max_tokens=5))
     first = policy.next_plan("w1")
     assert first.free_all, "a worker's first plan drops whatever it held before"
-    policy.on_result(answer(first))
+    apply_result(policy, answer(first))
     later = policy.next_plan("w1")
     assert not later.free_all
-    policy.on_result(answer(later))
+    apply_result(policy, answer(later))
     policy.worker_down("w1")  # e.g. its heartbeats were lost while Redis restarted
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     plan = policy.next_plan("w1")
     assert plan.free_all, "it may still hold r0's KV: its first plan back drops it"
     assert [(item.request_id, item.start_position, item.output_index) for item in plan.items] == [("r0", 0, 2)]
-    policy.on_result(answer(plan))
+    apply_result(policy, answer(plan))
     assert not policy.next_plan("w1").free_all
 
 
@@ -554,7 +574,7 @@ def test_a_worker_answering_plans_in_pairs_takes_plans_only_where_a_whole_pair_f
         policy.add_request(record(f"r{index}", arrival=index))
     plans = [policy.next_plan("w1") for _ in range(3)]
     assert all(plans) and "w1" not in policy.idle_workers(), "3 in flight: no room for a pair"
-    policy.on_result(answer(plans[0]))
+    apply_result(policy, answer(plans[0]))
     assert "w1" in policy.idle_workers(), "2 in flight: room for a pair"
     for _ in range(3):
         policy.next_plan("staged")
@@ -594,12 +614,12 @@ def test_a_draining_worker_hands_its_requests_over_to_another_which_rebuilds_the
     assert policy.set_draining("w1", True) == [], "no other worker: they stay and finish on w1"
     plan = policy.next_plan("w1")
     assert sorted(item.request_id for item in plan.items) == ["r0", "r1"]
-    policy.on_result(w1.run(plan))
+    apply_result(policy, w1.run(plan))
     policy.worker_up("w2", kv_blocks_total=100, kv_block_size=4)
     assert sorted(policy.set_draining("w1", True)) == ["r0", "r1"], "handed over once w2 takes requests"
     plan = policy.next_plan("w1")
     assert sorted(plan.free_request_ids) == ["r0", "r1"] and plan.items == (), "w1 frees them, runs nothing"
-    policy.on_result(w1.run(plan))
+    apply_result(policy, w1.run(plan))
     assert policy.next_plan("w1") is None
     outputs, reasons, plans = drive(policy, {"w1": w1, "w2": FakeWorker(prompts)})
     assert all(plan.worker_id == "w2" for plan in plans)
@@ -612,11 +632,11 @@ def test_stale_results_are_ignored():
     policy.worker_up("w1", kv_blocks_total=100, kv_block_size=4)
     policy.add_request(record("a", max_tokens=10))
     plan = policy.next_plan("w1")
-    assert policy.on_result(answer(dataclasses.replace(plan, plan_id=plan.plan_id + 7))) == []
-    assert policy.on_result(answer(dataclasses.replace(plan, scheduler_epoch="older"))) == []
+    assert apply_result(policy, answer(dataclasses.replace(plan, plan_id=plan.plan_id + 7))) == []
+    assert apply_result(policy, answer(dataclasses.replace(plan, scheduler_epoch="older"))) == []
     assert policy.next_plan("w1") is None, "the real plan is still in flight"
-    assert len(policy.on_result(answer(plan))) == 1
-    assert policy.on_result(answer(plan)) == [], "a duplicate result adds nothing"
+    assert len(apply_result(policy, answer(plan))) == 1
+    assert apply_result(policy, answer(plan)) == [], "a duplicate result adds nothing"
     assert policy.get("a").output_token_ids == expected_output("a", 1)
 
 
@@ -630,7 +650,7 @@ def test_cancel_a_waiting_and_a_running_request():
     assert policy.cancel("waiting").status == "cancelled"
     assert policy.cancel("running").finish_reason == "cancelled"
     assert policy.cancel("running") is None, "cancelling twice is a no-op"
-    assert policy.on_result(answer(plan)) == [], "the cancelled request's token is dropped"
+    assert apply_result(policy, answer(plan)) == [], "the cancelled request's token is dropped"
     plan = policy.next_plan("w1")
     assert plan.free_request_ids == ("running",)
     assert [item.request_id for item in plan.items] == ["after"]
@@ -642,7 +662,7 @@ def test_stop_token_ends_a_request_unless_ignore_eos():
     policy.add_request(record("eos", arrival=0))
     policy.add_request(record("ignores", arrival=1, ignore_eos=True, max_tokens=2))
     plan = policy.next_plan("w1")
-    outcomes = policy.on_result(answer(plan, token=lambda request_id, index: 2))
+    outcomes = apply_result(policy, answer(plan, token=lambda request_id, index: 2))
     assert [(outcome.request_id, outcome.token_id, outcome.finish_reason) for outcome in outcomes] == [
         ("eos", 2, "stop"), ("ignores", 2, None)]
     assert outcomes[0].request.output_token_ids == [2], "the stop token counts as a completion token"
@@ -844,7 +864,7 @@ def test_a_pipeline_group_gets_one_plan_per_stage_each_of_other_requests(stages)
     first = policy.next_plan("group")
     assert len(first.items) == 12, "all admitted at once, prefilled in one plan"
     assert policy.next_plan("group") is None, "every request's first token is on its way"
-    collect(policy.on_result(worker.run(first)), outputs, reasons)
+    collect(apply_result(policy, worker.run(first)), outputs, reasons)
     lanes = [policy.next_plan("group") for _ in range(stages)]
     assert policy.next_plan("group") is None, "one plan per stage"
     requests = [{item.request_id for item in plan.items} for plan in lanes]
@@ -852,7 +872,7 @@ def test_a_pipeline_group_gets_one_plan_per_stage_each_of_other_requests(stages)
     assert not any(item.feeds_sampled for plan in lanes for item in plan.items)
     follows = []
     for plan in lanes:  # each lane's next plan follows its own result, with the same requests
-        collect(policy.on_result(worker.run(plan)), outputs, reasons)
+        collect(apply_result(policy, worker.run(plan)), outputs, reasons)
         follow = policy.next_plan("group")
         assert {item.request_id for item in follow.items} == {item.request_id for item in plan.items
                                                               if item.request_id not in reasons}
@@ -879,12 +899,12 @@ def test_the_next_plan_feeds_the_token_the_plan_in_flight_samples():
     assert (item.feeds_sampled, item.token_ids, item.start_position, item.sample, item.output_index) == (
         True, (), 3, True, 1)
     worker = FakeWorker({"a": record("a", prompt_len=3).prompt_token_ids})
-    assert [outcome.token_id for outcome in policy.on_result(worker.run(first))] == expected_output("a", 1)
+    assert [outcome.token_id for outcome in apply_result(policy, worker.run(first))] == expected_output("a", 1)
     third = policy.next_plan("w1")
     assert [(item.feeds_sampled, item.start_position, item.output_index) for item in third.items] == [(True, 4, 2)]
-    policy.on_result(worker.run(second))
+    apply_result(policy, worker.run(second))
     assert policy.next_plan("w1") is None, "its last token (max_tokens 3) is in flight: nothing more to plan"
-    outcomes = policy.on_result(worker.run(third))
+    outcomes = apply_result(policy, worker.run(third))
     assert [(outcome.token_id, outcome.finish_reason) for outcome in outcomes] == [(expected_output("a", 3)[-1], "length")]
     assert worker.sampled_count["a"] == 3, "no token wasted when max_tokens ends it"
 
@@ -927,7 +947,7 @@ def test_cancel_and_preemption_with_two_plans_in_flight():
     first, second = policy.next_plan("w1"), policy.next_plan("w1")
     assert {item.request_id for item in second.items} == {"old", "young", "gone"}
     policy.cancel("gone")
-    first_tokens = {outcome.request_id: outcome.token_id for outcome in policy.on_result(worker.run(first))}
+    first_tokens = {outcome.request_id: outcome.token_id for outcome in apply_result(policy, worker.run(first))}
     assert set(first_tokens) == {"old", "young"}, "the cancelled request's token is dropped"
     third = policy.next_plan("w1")
     assert "gone" in third.free_request_ids and "gone" not in {item.request_id for item in third.items}
@@ -954,7 +974,7 @@ def test_a_row_taken_over_while_a_plan_naming_it_is_in_flight_gets_nothing_of_th
     policy.cancel("first")
     takeover = policy.next_plan("w1")
     assert [item.request_id for item in takeover.items] == ["second"] and policy.get("second").row == row
-    assert policy.on_result(worker.run(in_flight)) == [], "the answer for the row's former holder applies to nobody"
+    assert apply_result(policy, worker.run(in_flight)) == [], "the answer for the row's former holder applies to nobody"
     assert policy.get("second").output_token_ids == []
     outputs, reasons, _ = drive_pipelined(policy, {"w1": worker}, sent={"w1": [takeover]})
     assert outputs["second"] == expected_output("second", 5) and reasons == {"second": "length"}

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio
 from redis.exceptions import OutOfMemoryError
 
+from services.bench.by_request_id import apply_result
 from services.scheduler.held_results import ResultHolding
 from services.scheduler.output import RequestOutputs
 from services.scheduler.policy import SchedulerPolicy
@@ -141,7 +142,7 @@ def run(tokenizer, workers_write: bool, abandon_at: int | None = None, out_of_st
             policy.reset_worker("w0")
             continue
         result = worker_runs(in_flight.popleft())
-        outcomes = policy.on_result(result)
+        outcomes = apply_result(policy, result)
         outputs.publish_tokens(outcomes, "w0")
         outputs.publish_finished_without_token()
         policy.take_iteration_records()

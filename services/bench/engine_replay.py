@@ -31,7 +31,7 @@ def prompt_ids(request: BenchRequest, tokenizer: Tokenizer) -> tuple[int, ...]:
 def replay(engine, requests: list[BenchRequest], tokenizer: Tokenizer, *, policy: str = "iteration",
            max_batch_size: int = 64, max_batch_tokens: int = 512, temperature: float = 0.0) -> dict:
     """Run every request to its end; returns throughput and per-iteration totals."""
-    from services.worker.service import plan_result  # what a worker answers, built the same way
+    from services.bench.by_request_id import apply_result, plan_result  # what a worker answers, built the same way
     scheduler = SchedulerPolicy("replay", context_length=engine.config.context_length,
                                 stop_token_ids=tokenizer.stop_token_ids, policy=policy,
                                 max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
@@ -56,7 +56,7 @@ def replay(engine, requests: list[BenchRequest], tokenizer: Tokenizer, *, policy
         step_seconds += outcome.seconds
         applying = time.perf_counter()
         result = plan_result(plan, outcome, WORKER_ID, engine.kv_cache)
-        output_tokens += len(scheduler.on_result(result))
+        output_tokens += len(apply_result(scheduler, result))
         scheduler.take_finished_without_token()
         scheduler.take_iteration_records()
         scheduling_seconds += time.perf_counter() - applying

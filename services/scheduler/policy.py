@@ -45,8 +45,7 @@ from typing import Literal, NamedTuple
 from services.scheduler.prefix_cache import extend_chain, root_hash
 from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
 from shared.config import REQUEST_LOG
-from shared.messages import (PROTOCOL_VERSION, FinishReason, IterationRow, NewRequest, PlanResult, RequestRecord,
-                             SamplingParams)
+from shared.messages import PROTOCOL_VERSION, FinishReason, IterationRow, NewRequest, RequestRecord, SamplingParams
 from shared.finishing import finish_reason, length_limit
 from shared.plans import MAX_STEPS, ColumnPlan, ResultColumns, split_steps
 
@@ -419,12 +418,6 @@ class SchedulerPolicy:
                             "cached": worker.cache.blocks_idle, "free": worker.kv_blocks_free}
                 for worker_id, worker in self._workers.items()}
 
-    def row_disagreements(self) -> list[str]:
-        """Where a worker's rows (RunningRows) and its running requests differ: none, or the
-        bookkeeping is broken (tests check after every result)."""
-        return [f"{worker_id}: {found}" for worker_id, worker in self._workers.items()
-                for found in worker.rows.disagreements(worker.running)]
-
     def worker(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
 
@@ -489,11 +482,11 @@ class SchedulerPolicy:
         return all([(left and state in left) or (not state.sampling.stop and len(state.output_token_ids) == index)
                     for state, index in zip(flight.states, flight.output_indexes)])
 
-    def on_result(self, result: ResultColumns | PlanResult) -> list[TokenOutcome]:
+    def on_result(self, result: ResultColumns) -> list[TokenOutcome]:
         """Apply a worker's result: tokens appended (idempotent by output_index), finishes decided;
-        the tokens whose output is still to write (not those whose entry the worker wrote). A
-        PlanResult (request ids: tests and tools) is read as the columns the wire gives; the answer
-        to a plan of several steps is taken as answers_to_apply gives it (whole, or a step at a time)."""
+        the tokens whose output is still to write (not those whose entry the worker wrote). The
+        answer to a plan of several steps is taken as answers_to_apply gives it (whole, or a step at
+        a time)."""
         worker = self._workers.get(result.worker_id)
         flight = worker.in_flight[0] if worker is not None and worker.in_flight else None
         if (
@@ -505,9 +498,7 @@ class SchedulerPolicy:
             log.debug("stale_result worker_id=%s plan_id=%d epoch=%s",
                       result.worker_id, result.plan_id, result.scheduler_epoch)
             return []
-        if isinstance(result, PlanResult):
-            result = _result_columns(result, flight)
-        elif result.steps > 1:
+        if result.steps > 1:
             return self._on_steps_result(worker, result)
         if result.cache_digest is not None and result.cache_digest != flight.cache_digest and not any(
                 code == "cache_mismatch" for _, code, _ in result.errors):
@@ -1216,21 +1207,3 @@ class SchedulerPolicy:
                 del self._waiting_keys[key]
             else:
                 self._waiting_keys[key] -= 1
-
-
-def _result_columns(result: PlanResult, flight: PlanInFlight) -> ResultColumns:
-    """A result by request id (tests and tools) as the wire's columns: each request named by the
-    handle the plan it answers gave it (a token or an error of a request not in the plan: none)."""
-    handle_of = dict(zip(flight.request_ids, flight.handles))
-    tokens = [token for token in result.tokens if token.request_id in handle_of]
-    return ResultColumns(
-        scheduler_epoch=result.scheduler_epoch, plan_id=result.plan_id, worker_id=result.worker_id,
-        handles=[handle_of[token.request_id] for token in tokens], token_ids=[token.token_id for token in tokens],
-        output_indexes=[token.output_index for token in tokens],
-        logprobs={position: (token.logprob, token.top_logprobs) for position, token in enumerate(tokens)
-                  if token.logprob is not None},
-        errors=tuple((handle_of.get(error.request_id, -1), error.code, error.message) for error in result.errors),
-        kv_blocks_total=result.kv_blocks_total, kv_blocks_free=result.kv_blocks_free,
-        kv_blocks_cached=result.kv_blocks_cached, step_seconds=result.step_seconds,
-        entries_written=result.entries_written, cache_digest=result.cache_digest,
-        unwritten=[handle_of[request_id] for request_id in result.unwritten if request_id in handle_of])

@@ -59,16 +59,3 @@ class RunningRows:
         bisect.insort(self._free, row, key=lambda free: -free)  # (the lowest row is taken next)
         state.row = -1
         return row
-
-    def disagreements(self, running: dict[str, "RequestState"]) -> list[str]:
-        """Where the rows and the worker's running requests differ (tests check there are none)."""
-        found = []
-        if sorted(state.request_id for state in self.order) != sorted(running):
-            found.append(f"rows hold {sorted(state.request_id for state in self.order)}, the worker runs {sorted(running)}")
-        if [state.fcfs_key for state in self.order] != sorted(state.fcfs_key for state in self.order):
-            found.append("rows out of FCFS order")
-        found += [f"{state.request_id}: row {state.row} holds another" for state in self.order
-                  if not 0 <= state.row < len(self.states) or self.states[state.row] is not state]
-        found += [f"row {row} held by {state.request_id}, not running" for row, state in enumerate(self.states)
-                  if state is not None and state not in self.order]
-        return found

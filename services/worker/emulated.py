@@ -143,7 +143,7 @@ class EmulatedEngine(RequestRows):
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         self._seeds[row] = sampling.seed
 
-    def step(self, items: Sequence["StepItem"], return_logits: bool = False) -> StepOutcome:
+    def step(self, items: Sequence["StepItem"]) -> StepOutcome:
         started = time.perf_counter()
         outcome = StepOutcome()
         columns = self.columns(items, outcome)

@@ -35,7 +35,7 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
-from services.worker.sampler import sample
+from services.worker.sampler import SamplerOutput, sample
 from services.worker.sampling_table import SamplingTable
 from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
 from services.worker.staging import Staging
@@ -217,14 +217,14 @@ class Engine(RequestRows):
 
     # One iteration
 
-    def step(self, items: Sequence["StepItem"], return_logits: bool = False) -> StepOutcome:
+    def step(self, items: Sequence["StepItem"]) -> StepOutcome:
         started = time.perf_counter()
         outcome = StepOutcome()
         if self._history.any_tracked:
             items = self._with_whole_history(items, outcome)
         columns = self.columns(items, outcome)
         if columns is not None:
-            self._run(columns, outcome, return_logits)
+            self._run(columns, outcome)
         elif not self.samples:
             self._await_sampled(None, outcome)
         outcome.seconds = time.perf_counter() - started
@@ -266,7 +266,7 @@ class Engine(RequestRows):
         if self._awaiting and self._awaiting[0] is not None:
             self._awaiting[0].wait()
 
-    def _run(self, columns: StepColumns, outcome: StepOutcome, return_logits: bool) -> None:
+    def _run(self, columns: StepColumns, outcome: StepOutcome) -> None:
         device, kv_cache, stage = self.model.device, self.kv_cache, self._staging.to_device
         rows, starts, counts = (np.asarray(values, dtype=np.int64) for values in
                                 (columns.rows, columns.starts, columns.counts))
@@ -318,20 +318,21 @@ class Engine(RequestRows):
             return
         if not sampled.any():
             return
-        sampling_rows = self._sampling.rows(sampled_rows, output_indices, config.vocab_size)
-        history = self._history.for_sample(sampled_rows, output_indices) if self._history.any_tracked else None
-        result = sample(logits, sampling_rows, history)
+        result = self._sample(logits, sampled_rows, output_indices)
         if self.sends_sampled:
             self.model.send_sampled(result)
         self.last_token.index_copy_(0, stage("sampled_rows", sampled_rows), result.token_ids)
-        tokens = result.token_ids.cpu().numpy()  # the step's one synchronisation
+        tokens = result.token_ids.cpu().numpy()  # (the step's last wait for the device)
         request_ids = self.sampled(columns, tokens)
         outcome.tokens = dict(zip(request_ids, tokens.tolist()))
         if result.logprob is not None:
             self._take_logprobs(result, request_ids, [self._params[row] for row in sampled_rows.tolist()], outcome)
-        if return_logits:
-            for index, request_id in enumerate(request_ids):
-                outcome.logits[request_id] = logits[index].float().cpu()
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, output_indices: np.ndarray) -> SamplerOutput:
+        """The next token of each sampled row ([rows, V] logits, in the order of `rows`)."""
+        sampling_rows = self._sampling.rows(rows, output_indices, self.config.vocab_size)
+        history = self._history.for_sample(rows, output_indices) if self._history.any_tracked else None
+        return sample(logits, sampling_rows, history)
 
     def _with_whole_history(self, items: Sequence["StepItem"], outcome: StepOutcome) -> Sequence["StepItem"]:
         """The items, but those of rows with penalties whose history would have a gap (tokens before

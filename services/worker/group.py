@@ -151,9 +151,9 @@ class EngineGroup:
     def take_plan(self, plan) -> None:
         self._together("take_plan", plan)
 
-    def step(self, items, return_logits: bool = False):
+    def step(self, items):
         """One stage: the whole step. Several: its first stage only (the tokens come with finish)."""
-        return self._together("step", items, return_logits)
+        return self._together("step", items)
 
     def finish(self, outcome):
         """Several stages: the oldest step's tokens from the last stage, into its outcome (every

@@ -67,10 +67,6 @@ class BlockTables:
         """Registered blocks no row holds: KV kept for a later request, evicted when a plan says so."""
         return self._blocks_idle  # (a Python int: it goes on the wire)
 
-    def cached_hashes(self) -> dict[bytes, int]:
-        """Every registered block's hash and the rows holding it (0: idle)."""
-        return {block_hash: int(self._references[block]) for block_hash, block in self._block_of_hash.items()}
-
     @property
     def max_blocks_per_row(self) -> int:
         return self.block_tables.shape[1]

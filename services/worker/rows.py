@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from services.worker.kv_cache import BlockTables, CacheMismatch, KVCacheFull
 
@@ -41,7 +40,6 @@ class TokenLogprobs:
 class StepOutcome:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     errors: list[ItemRefusal] = field(default_factory=list)  # items that did not run
-    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # when asked: [V] float32
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked for them
     seconds: float = 0.0
 

@@ -40,13 +40,13 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from services.worker.engine import Engine
 from services.worker.token_writer import STALE, WRITE_SCRIPT, TokenWriter, Write
 from services.worker.rows import ItemRefusal, StepOutcome
-from services.worker.kv_cache import CacheMismatch, PagedKVCache
+from services.worker.kv_cache import CacheMismatch
 from shared import keys
 from shared.config import Settings, threads_per_worker
 from shared.exits import configuration_error
 from shared.model_file import load_metadata, weights_sha256
 from shared.served_models import served_models
-from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, WorkerInfo
+from shared.messages import BatchPlan, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange, xread_entries
 from shared.startup_heap import freeze_startup_heap
@@ -477,26 +477,6 @@ class Worker:
             self.engine.free(item.request_id)  # the step may have stopped half-way through its KV
         return StepOutcome(errors=[ItemRefusal(request_id, code, message)
                                    for request_id in dict.fromkeys(item.request_id for item in plan.items)])
-
-
-def plan_result(plan: BatchPlan, outcome: StepOutcome, worker_id: str, kv: PagedKVCache) -> PlanResult:
-    """What a worker answers for a plan it ran, as the scheduler reads it (for an engine driven in
-    one process, with no wire in between: services/bench/engine_replay.py)."""
-    by_id = {item.request_id: item for item in plan.items}
-    tokens = []
-    for request_id, token in outcome.tokens.items():
-        logprobs = outcome.logprobs.get(request_id)
-        tokens.append(SampledToken(
-            request_id=request_id, token_id=token, output_index=by_id[request_id].output_index,
-            logprob=None if logprobs is None else finite(logprobs.logprob),
-            top_logprobs=() if logprobs is None else tuple((top_id, finite(value)) for top_id, value in logprobs.top)))
-    return PlanResult(
-        scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id=worker_id, tokens=tuple(tokens),
-        errors=tuple(ItemError(request_id=error.request_id, code=error.code, message=error.message)
-                     for error in outcome.errors),
-        kv_blocks_total=kv.blocks_total, kv_blocks_free=kv.blocks_free, step_seconds=outcome.seconds,
-        kv_blocks_cached=kv.blocks_cached, cache_digest=kv.cache_digest,
-    )
 
 
 def finite(logprob: float) -> float:
