@@ -83,9 +83,27 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):  # the engine's own check before it takes the kernel
         assert usable(torch.device("cpu"), dtype, 4, 2, 16, 4), f"the kernel's self-check failed in {dtype}"
     check_kernel()
-    graphs = static_decode_steps_agree_with_the_per_request_path(steps=12)
+    # The engine's fixed-shape steps run this very kernel (counted through the name the attention
+    # module calls it by), one call per layer per step, and equal the per-request path.
+    from services.worker import attention
+
+    calls = []
+    kernel = attention.paged_decode
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    attention.paged_decode = counted
+    try:
+        graphs = static_decode_steps_agree_with_the_per_request_path(steps=12)
+    finally:
+        attention.paged_decode = kernel
     assert graphs.in_place, "the engine's fixed-shape decode steps did not take the in-place kernel"
-    print(f"engine: {graphs.steps} fixed-shape decode steps read the pool in place and equal the per-request path")
+    layers = 2  # (tests/engine_helpers.TINY_CONFIG)
+    assert len(calls) >= layers * graphs.steps, f"{len(calls)} kernel calls for {graphs.steps} steps of {layers} layers"
+    print(f"engine: {graphs.steps} fixed-shape decode steps ran the kernel {len(calls)} times, reading the pool in "
+          f"place, and equal the per-request path")
     print("ok")
 
 

@@ -43,14 +43,19 @@ def real_engine():
 # The real model against the oracle
 
 
-@pytest.fixture(scope="module")
-def transformers_model():
+def transformers_model_for_gguf():
+    """transformers' LlamaForCausalLM on the packaged GGUF, in float32: the oracle."""
     transformers = import_or_skip("transformers")
     from shared.model_file import locate_gguf
 
     path = locate_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    return transformers_model_for_gguf()
 
 
 @pytest.mark.slow
@@ -79,17 +84,15 @@ def test_first_step_logits_equal_transformers(real_engine, transformers_model, t
     torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
 
 
-@pytest.mark.slow
-def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transformers_model, tokenizer):
-    """`--dtype bfloat16` (its matmuls run about twice as fast on a CPU with AVX512-BF16): fed
-    transformers' own greedy tokens (float32), the engine picks the same next token at least 90% of
-    the time, and its first logits are within bfloat16's precision of float32's: the difference's
-    RMS within 0.1 x the logits' RMS and its largest value within 0.25 x (measured: RMS 0.006-0.08,
-    largest 0.02-0.17 on a CPU with AVX2 alone, the largest on the prompt where transformers' own
-    bfloat16 differs most, 0.095; largest 0.09 on an H200, which benchmarks/gpu_check.py holds to 0.15)."""
+def bfloat16_against_transformers(transformers_model, tokenizer) -> dict:
+    """`--dtype bfloat16` fed transformers' own greedy tokens (float32, teacher-forced: comparable after a
+    first difference), over the three chat prompts and 24 tokens each: how often the engine picks the
+    same next token, and its first logits' difference from float32's (RMS and largest, as shares of
+    the logits' RMS)."""
     engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="bfloat16"))
     assert engine.model.dtype == torch.bfloat16
     agree = total = 0
+    differences = []
     for index, messages in enumerate(CHAT_PROMPTS):
         prompt = tokenizer.encode_chat(messages)
         with torch.inference_mode():
@@ -100,18 +103,54 @@ def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transfor
         engine.add_request(request_id, GREEDY)
         step = engine.step([prefill_item(request_id, prompt)], return_logits=True)
         difference = step.logits[request_id] - first_logits
-        rms, difference_rms = float(first_logits.pow(2).mean().sqrt()), float(difference.pow(2).mean().sqrt())
-        largest = float(difference.abs().max())
-        assert difference_rms <= 0.1 * rms, (difference_rms, rms)
-        assert largest <= 0.25 * rms, (largest, rms)
+        rms = float(first_logits.pow(2).mean().sqrt())
+        differences.append((float(difference.pow(2).mean().sqrt()) / rms, float(difference.abs().max()) / rms))
         picks = [step.tokens[request_id]]
-        for position, token in enumerate(expected[:-1]):  # teacher-forced: comparable after a first difference
+        for position, token in enumerate(expected[:-1]):
             picks.append(engine.step([decode_item(request_id, token, len(prompt) + position, position + 1)])
                          .tokens[request_id])
         engine.free(request_id)
         agree += sum(ours == theirs for ours, theirs in zip(picks, expected))
         total += len(expected)
-    assert agree / total >= 0.9, f"{agree} of {total} tokens as transformers' float32"
+    return {"agree": agree, "total": total, "difference_of_rms": differences,
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+# The host classes the project runs on: this CPU's own kernels (AVX-512 with AVX512-BF16 on the Intel
+# hosts), and torch held to AVX2 kernels (ATen's dispatch and oneDNN's), what the AMD EPYC hosts run.
+HOST_CLASSES = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host_class", sorted(HOST_CLASSES))
+def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transformers_model, tokenizer, host_class):
+    """`--dtype bfloat16` (its matmuls run about twice as fast on a CPU with AVX512-BF16) picks
+    transformers' float32 token 72 of 72 times, on both host classes (the README says so), and its
+    first logits are within bfloat16's precision of float32's: the difference's RMS within 0.1 x the
+    logits' RMS and its largest value within 0.25 x. Measured on an Intel Xeon (2026-12-06): native
+    (AVX-512) RMS 0.009-0.048, largest 0.033-0.106; held to AVX2 RMS 0.007-0.018, largest 0.025-0.061;
+    earlier on an AMD EPYC (AVX2): RMS 0.006-0.08, largest 0.02-0.17. (On an H200 the largest was 0.09,
+    which benchmarks/gpu_check.py holds to 1.5 x transformers' own bfloat16 error.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not HOST_CLASSES[host_class]:
+        measured = bfloat16_against_transformers(transformers_model, tokenizer)
+    else:  # (set before torch loads its kernels: in a process of its own)
+        code = ("import json, torch; torch.set_num_threads(2); "
+                "from tests.test_engine import bfloat16_against_transformers, transformers_model_for_gguf; "
+                "from shared.tokenizer import Tokenizer; "
+                "print(json.dumps(bfloat16_against_transformers(transformers_model_for_gguf(), Tokenizer.load())))")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                             cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ) | HOST_CLASSES[host_class])
+        assert run.returncode == 0, run.stderr[-3000:]
+        measured = json.loads(run.stdout.strip().splitlines()[-1])
+        assert measured["capability"] == "AVX2", measured
+    for difference_rms, largest in measured["difference_of_rms"]:
+        assert difference_rms <= 0.1 and largest <= 0.25, measured
+    assert measured["agree"] == measured["total"] == 72, f"{measured['agree']} of {measured['total']}: {measured}"
 
 
 # Selective batching: a mixed step equals each request run alone

@@ -479,7 +479,12 @@ async def test_stream_completion_sse_format(gateway, scheduler):
     assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 3
 
 
-async def test_stop_list_reaches_the_scheduler_and_ends_with_stop(gateway, scheduler, redis_client):
+async def test_the_stop_list_reaches_the_scheduler_and_its_stop_finish_reaches_the_client(gateway, scheduler,
+                                                                                          redis_client):
+    """The gateway's part only: the stop strings go into the request's record, and the end the
+    scheduler sends (here the fake one, which cuts at them itself) becomes the answer. The real
+    scheduler's search of the text: tests/test_scheduler_output.py, and through the whole system
+    tests/test_system.py's stop-string test."""
     status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 10, "stop": ["w4", "w7"]})
     assert status == 200, body
     assert body["choices"][0]["text"] == " w0 w1 w2 w3" and body["choices"][0]["finish_reason"] == "stop"

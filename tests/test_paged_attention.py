@@ -56,11 +56,13 @@ def test_in_place_paged_decode_kernel_in_tritons_interpreter():
     assert result.stdout.rstrip().endswith("ok")
 
 
-def test_the_engine_takes_the_in_place_kernel_only_when_it_passes_its_self_check(monkeypatch, caplog):
-    """DecodeGraphs asks paged_attention.usable, which runs the kernel against plain attention first:
-    a kernel that agrees is used for every fixed-shape decode step (a stand-in with the kernel's
-    contract here, so no Triton is needed); one that answers wrong or fails to run is logged and
-    the steps gather instead, still exact. Off CUDA (no interpreter) it is never tried."""
+def test_the_engines_choice_of_attention_follows_the_kernels_self_check(monkeypatch, caplog):
+    """The decision, not the kernel: DecodeGraphs asks paged_attention.usable, which runs the kernel
+    against plain attention first; a kernel that agrees is taken (here a stand-in with the kernel's
+    contract, plain torch, so no Triton is needed), one that answers wrong or fails to run is logged
+    and the steps gather instead, still exact. Off CUDA (no interpreter) it is never tried. That the
+    engine runs the real kernel at every fixed-shape step is test_in_place_paged_decode_kernel_in_
+    tritons_interpreter's (it counts the kernel's calls)."""
     cpu = torch.device("cpu")
     shape = (torch.float32, 4, 2, 16, 4)  # tests/engine_helpers.TINY_CONFIG's heads, block size 4
     assert not paged_attention.usable(cpu, *shape)  # the CPU without Triton's interpreter

@@ -79,6 +79,24 @@ def test_completion_greedy_text_equals_the_engine_alone_streamed_or_not(client, 
     assert streamed == expected
 
 
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(client, engine_alone, tokenizer):
+    """The real scheduler finds the stop strings in the detokenized text (services/scheduler/output.py):
+    the answer is the greedy text up to the earliest one, finish_reason "stop", streamed or not."""
+    prompt = "Once upon a time, in a small village by the sea,"
+    full, _ = engine_greedy_text(engine_alone, tokenizer, tokenizer.encode(prompt), 30)
+    words = full.split()
+    stop = [words[len(words) // 2], "\u2603 never"]  # a word in the middle, and one that never appears
+    cut = full[: full.find(stop[0])]
+    assert 0 < len(cut) < len(full.rstrip()), (full, stop)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop)
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (cut, "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunks and chunk.choices) == cut
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason] \
+        == ["stop"]
+
+
 def test_seeded_sampling_depends_on_the_seed_only_and_temperature_zero_is_greedy(client, engine_alone, tokenizer):
     """A seed picks the output: the same seed gives the same text alone and inside a batch of
     other requests, different seeds give different texts (so temperature and seed are not
