@@ -15,16 +15,16 @@ name their tokens by handle too, and repeat the output index they sampled (the s
 it). The scheduler's policy hands out the handles (a request's row on the worker:
 services/scheduler/running_rows.py) and builds each plan as these columns (ColumnPlan,
 encode_plan); it reads results as columns too (read_result_columns), so no object is made per item
-on its side. `PlanReader` (the worker's) keeps the handles; it starts over with a new scheduler
-epoch or a plan that says free_all. A plan naming a handle the worker does not hold gets an
-`unknown_request` error for that item. (services/bench/by_request_id.py makes the same plans from
-BatchPlans, by request id, for tests and tools.)
+on its side. The worker reads a plan whole, validated, by handle (read_plan), resolves the handles
+in its own table and packs its answer (pack_result): services/worker/plan_reader.py.
+(services/bench/by_request_id.py makes the same plans from BatchPlans, by request id, for tests and
+tools.) This module is the format alone: it holds no state.
 
 A plan whose every item samples (decodes, prompts' last chunks) may say it runs several steps
 (Settings.scheduler_steps, vLLM v0's multi-step scheduling): the worker runs it, then runs its
 items again as decodes that feed the token each sampled, output index and plan id one more each
 step, for as many steps as the plan says (each item: `item_steps`, where some run fewer: a request
-that reaches its max_tokens), and answers all the steps with one result (StepAnswers): each item's
+that reaches its max_tokens), and answers all the steps with one result: each item's
 tokens one after another, with their count. So the scheduler plans, encodes, reads and applies
 once for N worker-iterations.
 
@@ -34,16 +34,15 @@ it starts with (hashes are 16 bytes each, concatenated) and, for a request with 
 the tokens those blocks hold (its penalty history starts with them).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from shared.keys import valid_request_id
-from shared.messages import BatchPlan, NewRequest, SamplingParams, StepItem, from_fields
+from shared.messages import NewRequest, SamplingParams, StepItem
 from shared.wire import WireError
 
 PLAN_FORMAT = 3
@@ -354,252 +353,115 @@ def _logprobs(raw: dict, kind: str, count: int) -> dict[int, tuple[float, tuple]
     return found
 
 
-@dataclass(eq=False)
-class DecodedPlan:
-    """A plan as the worker reads it: the plan (items with request ids) and the handle of each item."""
+@dataclass(eq=False, slots=True)
+class WirePlan:
+    """A plan as the wire carries it, validated (read_plan): every request named by its handle, the
+    worker's to resolve (services/worker/plan_reader.py keeps the handle table)."""
 
-    plan: BatchPlan
-    item_handles: list[int]
-    unknown: list[tuple[int, str]]  # (handle, message) of items naming a handle this worker does not hold
-    answer_with_next: bool = False  # its result may wait for the next plan's, to go out with it
-    # A plan of several steps (ColumnPlan.steps): which step this is (0: the plan as sent), how many
-    # the plan runs and each item's (None: all `steps`).
-    step: int = 0
-    steps: int = 1
-    item_steps: list[int] | None = None
-
-
-class PlanReader:
-    """The worker's side: plans from bytes (each item's request resolved from its handle), results to bytes."""
-
-    def __init__(self) -> None:
-        self.epoch = ""
-        self.last_plan_id = 0  # of this epoch: plan ids only grow within a scheduler's run
-        self._request_of: dict[int, str] = {}
-        self._handle_of: dict[str, int] = {}
-
-    def decode(self, data: bytes, kv_length, worker_id: str) -> DecodedPlan | None:
-        """kv_length(request_id): the worker's own KV length of a request, a decode item's start
-        position (the item feeds the token the worker sampled last; the engine checks its index).
-        A plan for another worker is refused before it changes anything. A plan read before (the
-        scheduler's Redis client resends a pipeline that failed half-way: its plans come twice) is
-        None, before it changes anything: run twice, it would free handles since given to others
-        and repeat prefix-cache commands."""
-        kind = "BatchPlan"
-        raw = _unpack(kind, data)
-        if _field(raw, kind, "w", str) != worker_id:
-            raise WireError(f"{kind}: addressed to {raw['w']!r}, not to this worker")
-        epoch, free_all = _field(raw, kind, "e", str), _field(raw, kind, "a", bool)
-        plan_id = _field(raw, kind, "p", int)
-        if epoch == self.epoch and plan_id <= self.last_plan_id:
-            return None
-        if epoch != self.epoch or free_all:
-            self.epoch = epoch
-            self._request_of.clear()
-            self._handle_of.clear()
-        register_handles = _ints(raw, kind, "rh", _U16, 0, MAX_HANDLE + 1)
-        register_indexes = _ints(raw, kind, "ri", _I32)
-        register_hashes = _hashes(raw.get("rk", b""), kind, "rk")
-        if not register_handles.size == register_indexes.size == len(register_hashes):
-            raise WireError(f"{kind}: registration fields of different lengths")
-        # Read before the frees: a request may be registered and freed by one plan. A handle this
-        # worker does not hold reads as "" (the worker finds its cache and the scheduler's differ).
-        registered = [(self._request_of.get(handle, ""), index, block_hash) for handle, index, block_hash
-                      in zip(register_handles.tolist(), register_indexes.tolist(), register_hashes)]
-        freed = []
-        for handle in _ints(raw, kind, "x", _U16, 0, MAX_HANDLE + 1).tolist():
-            request_id = self._request_of.pop(handle, None)
-            if request_id is not None:
-                self._handle_of.pop(request_id, None)
-                freed.append(request_id)
-        new = []
-        for entry in _field(raw, kind, "n", list, []):
-            if not (isinstance(entry, list) and len(entry) in (5, 8) and isinstance(entry[0], int)
-                    and 0 <= entry[0] <= MAX_HANDLE and valid_request_id(entry[1]) and isinstance(entry[2], dict)):
-                raise WireError(f"{kind}: malformed new request")
-            cached_blocks = _hashes(entry[3], kind, "n")
-            cached_token_ids = tuple(_ints({"n": entry[4]}, kind, "n", _I32).tolist())
-            entries_below, first_output_index, text_context = _token_entries(entry[5:], kind)
-            try:
-                sampling = SamplingParams.model_validate(entry[2])
-            except Exception as error:  # pydantic's ValidationError: a request's data, once per request
-                raise WireError(f"{kind}: new request {entry[1]!r}: {error}") from error
-            handle, request_id = entry[0], entry[1]
-            stale = self._request_of.get(handle)
-            if stale is not None and stale != request_id:
-                self._handle_of.pop(stale, None)
-            self._request_of[handle] = request_id
-            self._handle_of[request_id] = handle
-            new.append(NewRequest(request_id=request_id, sampling=sampling, cached_blocks=cached_blocks,
-                                  cached_token_ids=cached_token_ids, entries_below=entries_below,
-                                  first_output_index=first_output_index,
-                                  text_context=text_context))
-        items, item_handles, unknown = [], [], []
-        decode_handles = _ints(raw, kind, "dh", _U16, 0, MAX_HANDLE + 1)
-        decode_outputs = _ints(raw, kind, "do", _I32, 1)
-        if decode_handles.size != decode_outputs.size:
-            raise WireError(f"{kind}: {decode_handles.size} decode handles, {decode_outputs.size} output indexes")
-        handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
-        starts, counts = _ints(raw, kind, "s", _I32), _ints(raw, kind, "c", _I32, 1)
-        samples, outputs = _ints(raw, kind, "m", np.dtype(np.uint8), 0, 2), _ints(raw, kind, "o", _I32)
-        tokens = _ints(raw, kind, "t", _I32)
-        if not handles.size == starts.size == counts.size == samples.size == outputs.size or \
-                int(counts.sum()) != tokens.size:
-            raise WireError(f"{kind}: item fields of different lengths")
-        steps = _field(raw, kind, "k", int, 1)
-        if not 1 <= steps <= MAX_STEPS:
-            raise WireError(f"{kind}: steps {steps} outside [1, {MAX_STEPS}]")
-        wire_steps = _ints(raw, kind, "ks", np.dtype(np.uint8), 1, steps + 1).tolist()
-        if steps > 1 and not samples.all():
-            raise WireError(f"{kind}: a plan of {steps} steps with an item that samples no token")
-        if wire_steps and len(wire_steps) != decode_handles.size + handles.size:
-            raise WireError(f"{kind}: {len(wire_steps)} item steps for {decode_handles.size + handles.size} items")
-        request_of = self._request_of
-        item_steps = [] if wire_steps else None  # each decoded item's, where they differ
-        for position, (handle, output_index) in enumerate(zip(decode_handles.tolist(), decode_outputs.tolist())):
-            request_id = request_of.get(handle)
-            if request_id is None:
-                unknown.append((handle, "a decode for a handle this worker does not hold"))
-                continue
-            if wire_steps:
-                item_steps.append(wire_steps[position])
-            items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
-            item_handles.append(handle)
-        ends = np.cumsum(counts).tolist()
-        token_list = tokens.tolist()
-        for index, (handle, start, sample, output_index) in enumerate(zip(handles.tolist(), starts.tolist(),
-                                                                          samples.tolist(), outputs.tolist())):
-            request_id = self._request_of.get(handle)
-            if request_id is None:
-                unknown.append((handle, "an item for a handle this worker does not hold"))
-                continue
-            if wire_steps:
-                item_steps.append(wire_steps[decode_handles.size + index])
-            begin = ends[index - 1] if index else 0
-            items.append(StepItem(request_id=request_id, token_ids=tuple(token_list[begin : ends[index]]),
-                                  start_position=start, sample=bool(sample), output_index=output_index))
-            item_handles.append(handle)
-        self.last_plan_id = plan_id + steps - 1  # (the later steps' results answer the ids after it)
-        plan = BatchPlan(scheduler_epoch=epoch, plan_id=plan_id, worker_id=_field(raw, kind, "w", str),
-                         new_requests=tuple(new), items=tuple(items), free_request_ids=tuple(freed), free_all=free_all,
-                         register_blocks=tuple(registered), evict_blocks=_hashes(raw.get("ev", b""), kind, "ev"))
-        return DecodedPlan(plan, item_handles, unknown, _field(raw, kind, "g", bool, False), steps=steps,
-                           item_steps=item_steps)
-
-    @staticmethod
-    def next_step(decoded: DecodedPlan, kv_length) -> DecodedPlan | None:
-        """A plan of several steps: its next step, once the step before has run (None after its last):
-        the items that run it, each a decode feeding the token it sampled in the step before
-        (kv_length as for decode), under the next plan id; its unknown handles were answered with
-        the first step. (The plan's answer holds every step's: StepAnswers.)"""
-        step = decoded.step + 1
-        if step >= decoded.steps:
-            return None
-        plan, item_steps = decoded.plan, decoded.item_steps
-        kept = [(item, handle) for item, handle, count in zip(plan.items, decoded.item_handles,
-                                                              item_steps or repeat(decoded.steps)) if count > step]
-        items = tuple([from_fields(StepItem, (item.request_id, (), kv_length(item.request_id), True,
-                                              item.output_index + 1, True)) for item, _ in kept])
-        return DecodedPlan(
-            BatchPlan(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id + 1, worker_id=plan.worker_id,
-                      items=items),
-            [handle for _, handle in kept], [], decoded.answer_with_next, step=step, steps=decoded.steps,
-            item_steps=None if item_steps is None else [count for count in item_steps if count > step])
-
-    def encode_result(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
-                      errors: list[tuple[str, str, str]], kv_blocks_total: int, kv_blocks_free: int,
-                      step_seconds: float, kv_blocks_cached: int = 0,
-                      unwritten: Iterable[str] | None = None, cache_digest: int = 0) -> bytes:
-        """The answer to a plan of one step (StepAnswers: of any), as StepAnswers.add takes it."""
-        answers = StepAnswers(self)
-        answers.add(decoded, tokens, logprobs, errors, step_seconds, unwritten)
-        return answers.packed(kv_blocks_total, kv_blocks_free, kv_blocks_cached, cache_digest)
+    epoch: str
+    plan_id: int
+    worker_id: str
+    free_all: bool
+    register_handles: list[int]  # blocks to register: the request's handle, the block's index, its hash
+    register_indexes: list[int]
+    register_hashes: tuple[bytes, ...]
+    free_handles: list[int]
+    new: list[tuple[int, NewRequest]]  # (handle, the request's data)
+    evict_hashes: tuple[bytes, ...]
+    decode_handles: list[int]  # decodes that feed the token sampled in the plan before
+    decode_outputs: list[int]
+    handles: list[int]  # the other items
+    starts: list[int]
+    counts: list[int]
+    samples: list[int]
+    outputs: list[int]
+    tokens: list[int]  # flattened
+    steps: int
+    item_steps: list[int]  # in wire order, where they differ (empty: all `steps`)
+    answer_with_next: bool
 
 
-class StepAnswers:
-    """A plan's answer, gathered as its steps run (one, or several: PlanReader.next_step) and packed
-    as one result (ResultColumns says how one of several steps reads): each item's tokens in order
-    from the first step, until a step it has no token in (an error)."""
+def read_plan(data: bytes, worker_id: str) -> WirePlan:
+    """A plan's bytes, validated whole before anyone acts on it (a WireError says what is wrong): one
+    addressed to another worker, a field of the wrong type or range, columns of different lengths."""
+    kind = "BatchPlan"
+    raw = _unpack(kind, data)
+    if _field(raw, kind, "w", str) != worker_id:
+        raise WireError(f"{kind}: addressed to {raw['w']!r}, not to this worker")
+    register_handles = _ints(raw, kind, "rh", _U16, 0, MAX_HANDLE + 1)
+    register_indexes = _ints(raw, kind, "ri", _I32)
+    register_hashes = _hashes(raw.get("rk", b""), kind, "rk")
+    if not register_handles.size == register_indexes.size == len(register_hashes):
+        raise WireError(f"{kind}: registration fields of different lengths")
+    new = []
+    for entry in _field(raw, kind, "n", list, []):
+        if not (isinstance(entry, list) and len(entry) in (5, 8) and isinstance(entry[0], int)
+                and 0 <= entry[0] <= MAX_HANDLE and valid_request_id(entry[1]) and isinstance(entry[2], dict)):
+            raise WireError(f"{kind}: malformed new request")
+        cached_blocks = _hashes(entry[3], kind, "n")
+        cached_token_ids = tuple(_ints({"n": entry[4]}, kind, "n", _I32).tolist())
+        entries_below, first_output_index, text_context = _token_entries(entry[5:], kind)
+        try:
+            sampling = SamplingParams.model_validate(entry[2])
+        except Exception as error:  # pydantic's ValidationError: a request's data, once per request
+            raise WireError(f"{kind}: new request {entry[1]!r}: {error}") from error
+        new.append((entry[0], NewRequest(request_id=entry[1], sampling=sampling, cached_blocks=cached_blocks,
+                                         cached_token_ids=cached_token_ids, entries_below=entries_below,
+                                         first_output_index=first_output_index, text_context=text_context)))
+    decode_handles = _ints(raw, kind, "dh", _U16, 0, MAX_HANDLE + 1)
+    decode_outputs = _ints(raw, kind, "do", _I32, 1)
+    if decode_handles.size != decode_outputs.size:
+        raise WireError(f"{kind}: {decode_handles.size} decode handles, {decode_outputs.size} output indexes")
+    handles = _ints(raw, kind, "h", _U16, 0, MAX_HANDLE + 1)
+    starts, counts = _ints(raw, kind, "s", _I32), _ints(raw, kind, "c", _I32, 1)
+    samples, outputs = _ints(raw, kind, "m", np.dtype(np.uint8), 0, 2), _ints(raw, kind, "o", _I32)
+    tokens = _ints(raw, kind, "t", _I32)
+    if not handles.size == starts.size == counts.size == samples.size == outputs.size or \
+            int(counts.sum()) != tokens.size:
+        raise WireError(f"{kind}: item fields of different lengths")
+    steps = _field(raw, kind, "k", int, 1)
+    if not 1 <= steps <= MAX_STEPS:
+        raise WireError(f"{kind}: steps {steps} outside [1, {MAX_STEPS}]")
+    item_steps = _ints(raw, kind, "ks", np.dtype(np.uint8), 1, steps + 1).tolist()
+    if steps > 1 and not samples.all():
+        raise WireError(f"{kind}: a plan of {steps} steps with an item that samples no token")
+    if item_steps and len(item_steps) != decode_handles.size + handles.size:
+        raise WireError(f"{kind}: {len(item_steps)} item steps for {decode_handles.size + handles.size} items")
+    return WirePlan(
+        epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int), worker_id=worker_id,
+        free_all=_field(raw, kind, "a", bool), register_handles=register_handles.tolist(),
+        register_indexes=register_indexes.tolist(), register_hashes=register_hashes,
+        free_handles=_ints(raw, kind, "x", _U16, 0, MAX_HANDLE + 1).tolist(), new=new,
+        evict_hashes=_hashes(raw.get("ev", b""), kind, "ev"), decode_handles=decode_handles.tolist(),
+        decode_outputs=decode_outputs.tolist(), handles=handles.tolist(), starts=starts.tolist(),
+        counts=counts.tolist(), samples=samples.tolist(), outputs=outputs.tolist(), tokens=tokens.tolist(),
+        steps=steps, item_steps=item_steps, answer_with_next=_field(raw, kind, "g", bool, False))
 
-    def __init__(self, reader: PlanReader) -> None:
-        self.reader = reader
-        self._first: DecodedPlan | None = None
-        self._slot_of: dict[int, int] = {}  # handle -> its slot: its place among the answer's items
-        self._open: list[bool] = []  # each slot: answered every step so far
-        self.handles: list[int] = []
-        self.first_indexes: list[int] = []
-        self.tokens: list[list[int]] = []  # each slot's
-        self.logprobs: list[tuple[int, int, float, list]] = []  # (slot, its token's, logprob, top)
-        self.unwritten: list[tuple[int, int]] = []  # (slot, its token's)
-        self.entries_written = False
-        self.errors: list[list] = []
-        self._erred: set[int] = set()  # handles answered with an error
-        self.seconds: list[float] = []
 
-    def add(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
-            errors: list[tuple[str, str, str]], step_seconds: float, unwritten: Iterable[str] | None = None) -> None:
-        """A step's outcome: tokens: request id -> token sampled; logprobs: request id -> (logprob,
-        top); errors: (request id, code, message) of the items that did not run; unwritten: None when
-        this worker wrote no token entry, else the requests whose token entries it was to write and
-        did not."""
-        first = self._first is None
-        if first:
-            self._first = decoded
-        slot_of, is_open = self._slot_of, self._open
-        for (request_id, _, _, _, output_index, _), handle in zip(decoded.plan.items, decoded.item_handles):
-            token = tokens.get(request_id)
-            slot = slot_of.get(handle)
-            if token is None or not (first or slot is not None and is_open[slot]):
-                if slot is not None:
-                    is_open[slot] = False  # (its tokens stop at the step before)
-                continue
-            if slot is None:
-                slot = slot_of[handle] = len(self.handles)
-                self.handles.append(handle)
-                self.first_indexes.append(output_index)
-                self.tokens.append([])
-                is_open.append(True)
-            if unwritten and request_id in unwritten:
-                self.unwritten.append((slot, len(self.tokens[slot])))
-            if logprobs and request_id in logprobs:
-                logprob, top = logprobs[request_id]
-                self.logprobs.append((slot, len(self.tokens[slot]), logprob, [list(pair) for pair in top]))
-            self.tokens[slot].append(token)
-        handle_of = self.reader._handle_of
-        for request_id, code, message in errors:
-            handle = handle_of.get(request_id, MAX_HANDLE)
-            if handle not in self._erred:  # (the first error of an item: its later steps had nothing to feed)
-                self._erred.add(handle)
-                self.errors.append([handle, code, message])
-        if first:
-            self.errors += [[handle, "unknown_request", message] for handle, message in decoded.unknown]
-        self.entries_written = self.entries_written or unwritten is not None
-        self.seconds.append(step_seconds)
-
-    @property
-    def plan(self) -> BatchPlan:
-        """The plan answered (as its first step runs it)."""
-        return self._first.plan
-
-    def packed(self, kv_blocks_total: int, kv_blocks_free: int, kv_blocks_cached: int = 0,
-               cache_digest: int = 0) -> bytes:
-        """The result on the wire (after the plan's last step: the KV figures are its)."""
-        plan = self.plan
-        message = {"f": PLAN_FORMAT, "e": plan.scheduler_epoch, "p": plan.plan_id, "w": plan.worker_id,
-                   "h": _array(self.handles, _U16), "o": _array(self.first_indexes, _I32), "x": self.errors,
-                   "kt": kv_blocks_total, "kf": kv_blocks_free, "kc": kv_blocks_cached, "s": sum(self.seconds),
-                   "cd": cache_digest}
-        counts = [len(tokens) for tokens in self.tokens]
-        begins = np.cumsum([0, *counts]).tolist()  # each slot's first token's position
-        message["t"] = _array([token for tokens in self.tokens for token in tokens], _I32)
-        if len(self.seconds) > 1:
-            message |= {"k": len(self.seconds), "ss": self.seconds, "c": _array(counts, np.uint8)}
-        if self.logprobs:
-            message["l"] = [[begins[slot] + at, logprob, top] for slot, at, logprob, top in self.logprobs]
-        if self.entries_written:
-            message["ew"] = True
-            if self.unwritten and len(self.seconds) == 1:
-                message["eu"] = _array([self.handles[slot] for slot, _ in self.unwritten], _U16)
-            elif self.unwritten:
-                message["ep"] = _array([begins[slot] + at for slot, at in self.unwritten], _U16)
-        return msgpack.packb(message, use_bin_type=True)
+def pack_result(epoch: str, plan_id: int, worker_id: str, handles: Sequence[int], first_indexes: Sequence[int],
+                tokens: Sequence[Sequence[int]], errors: list[list], seconds: Sequence[float],
+                logprobs: Sequence[tuple[int, int, float, list]], unwritten: Sequence[tuple[int, int]] | None,
+                kv_blocks_total: int, kv_blocks_free: int, kv_blocks_cached: int = 0, cache_digest: int = 0) -> bytes:
+    """An answer's bytes (ResultColumns says how they read): each answering item's handle, its first
+    output index and its tokens (one per step it answered), the errors ([handle, code, message]), each
+    step's seconds; logprobs as (item, token of the item, logprob, top), the token entries left unwritten
+    as (item, token of the item), None when the worker wrote none; the worker's KV figures after the
+    plan's last step and its prefix cache's digest (shared/cache_digest.py)."""
+    message = {"f": PLAN_FORMAT, "e": epoch, "p": plan_id, "w": worker_id,
+               "h": _array(handles, _U16), "o": _array(first_indexes, _I32), "x": errors,
+               "kt": kv_blocks_total, "kf": kv_blocks_free, "kc": kv_blocks_cached, "s": sum(seconds),
+               "cd": cache_digest}
+    counts = [len(item_tokens) for item_tokens in tokens]
+    begins = np.cumsum([0, *counts]).tolist()  # each item's first token's position
+    message["t"] = _array([token for item_tokens in tokens for token in item_tokens], _I32)
+    if len(seconds) > 1:
+        message |= {"k": len(seconds), "ss": list(seconds), "c": _array(counts, np.uint8)}
+    if logprobs:
+        message["l"] = [[begins[slot] + at, logprob, top] for slot, at, logprob, top in logprobs]
+    if unwritten is not None:
+        message["ew"] = True
+        if unwritten and len(seconds) == 1:
+            message["eu"] = _array([handles[slot] for slot, _ in unwritten], _U16)
+        elif unwritten:
+            message["ep"] = _array([begins[slot] + at for slot, at in unwritten], _U16)
+    return msgpack.packb(message, use_bin_type=True)

@@ -9,7 +9,8 @@ import msgpack
 
 from shared.messages import BatchPlan, NewRequest, SamplingParams, StepItem
 from services.bench.by_request_id import PlanCodec
-from shared.plans import PLAN_FORMAT, PlanReader, read_result
+from services.worker.plan_reader import PlanReader
+from shared.plans import PLAN_FORMAT, read_result
 
 
 def _random_plans(rng: random.Random, count: int):
@@ -267,7 +268,8 @@ def test_the_answer_to_a_plan_of_steps_reads_as_each_step_answered_alone():
     answer alone would: tokens, output indexes, log-probabilities, errors (an item in error at its
     second step keeps its first token), unwritten entries, step times, under plan ids one more
     each step."""
-    from shared.plans import StepAnswers, read_result_columns, split_steps
+    from services.worker.plan_reader import StepAnswers
+    from shared.plans import read_result_columns, split_steps
 
     def answered_plan():
         codec, reader = PlanCodec(), PlanReader()

@@ -10,7 +10,8 @@ from services.bench.by_request_id import apply_result
 from services.scheduler.policy import SchedulerPolicy
 from shared import cache_digest
 from shared.messages import BatchPlan, ItemError, PlanResult, RequestRecord, SampledToken, SamplingParams
-from shared.plans import DecodedPlan, PlanReader, StepAnswers, read_result, read_result_columns
+from services.worker.plan_reader import DecodedPlan, PlanReader, StepAnswers
+from shared.plans import read_result, read_result_columns
 
 EPOCH = "epoch-test"
 STOP_TOKENS = {0, 2}

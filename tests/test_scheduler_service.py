@@ -33,7 +33,7 @@ from shared.messages import (
     TokenEvent,
     WorkerInfo,
 )
-from shared.plans import PlanReader, StepAnswers
+from services.worker.plan_reader import PlanReader, StepAnswers
 from shared.tokenizer import Tokenizer
 from services.worker.token_writer import STALE, WRITE_SCRIPT, TokenWriter
 from shared.redis_connection import connect
@@ -751,7 +751,8 @@ async def test_an_unexpected_error_in_the_bookkeeping_ends_the_scheduler(redis_c
 
 
 def test_wire_error_is_what_decoding_raises():
-    from shared.plans import PlanReader, read_result
+    from services.worker.plan_reader import PlanReader
+    from shared.plans import read_result
 
     for data in (b"\xc1", encode(SamplingParams()), b"\x93\x01\x02\x03"):
         with pytest.raises(WireError):

@@ -19,7 +19,8 @@ import redis
 from shared import keys
 from shared.messages import BatchPlan, IterationRecord, NewRequest, SamplingParams, StepItem
 from services.bench.by_request_id import PlanCodec
-from shared.plans import PlanReader, read_result
+from services.worker.plan_reader import PlanReader
+from shared.plans import read_result
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire import WireError, decode, encode_token_event
 

@@ -50,7 +50,7 @@ from shared.messages import BatchPlan, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange, xread_entries
 from shared.startup_heap import freeze_startup_heap
-from shared.plans import DecodedPlan, PlanReader, StepAnswers
+from services.worker.plan_reader import DecodedPlan, PlanReader, StepAnswers
 from shared.tokenizer import Tokenizer
 from shared.wire import WireError, encode
 
