@@ -7,7 +7,10 @@
   iterserve bench       the load generator (see services/bench)
   iterserve keep-awake  spin at idle priority: keeps a scheduler's CPU from idling (services/keep_awake.py)
 
-Every option can also come from the environment (ITERSERVE_<OPTION>, REDIS_URL).
+Every option can also come from the environment (ITERSERVE_<OPTION>, REDIS_URL) or a config file
+(`--config FILE`: YAML, its keys the options' names); the command line wins over the file, the file
+over the environment. vLLM's names for the options vLLM has are accepted beside ours
+(VLLM_OPTIONS: `--tensor-parallel-size`, `--max-num-seqs`, `--gpu-memory-utilization`, ...).
 """
 
 import argparse
@@ -89,8 +92,39 @@ SERVICE_OPTIONS = {
 
 LIST_OPTIONS = ("model", "served_model_name")
 
+# vLLM's names for what iterserve also does (an operator's `vllm serve` line works unchanged):
+# option strings -> (settings field, type, help). Options with a value take it as ours do.
+VLLM_OPTIONS = {
+    ("--tensor-parallel-size", "-tp"): ("tensor_parallel", int, "vLLM's name for --tensor-parallel"),
+    ("--pipeline-parallel-size", "-pp"): ("pipeline_parallel", int, "vLLM's name for --pipeline-parallel"),
+    ("--max-num-seqs",): ("max_batch_size", int, "vLLM's name for --max-batch-size"),
+    ("--max-num-batched-tokens",): ("max_batch_tokens", int, "vLLM's name for --max-batch-tokens"),
+    ("--block-size",): ("kv_block_size", int, "vLLM's name for --kv-block-size"),
+    ("--gpu-memory-utilization",): ("gpu_memory_utilization", float,
+                                    "the share of the device's whole memory a worker may take, weights and KV "
+                                    "together (vLLM's meaning; the KV pool is what the weights leave)"),
+    ("--max-model-len",): ("max_model_len", int, "serve at most this many tokens a request (prompt and output)"),
+    ("--enforce-eager",): ("enforce_eager", bool, "every step eager: no CUDA graphs, no --compile"),
+    ("--tokenizer",): ("tokenizer", str, "another model's tokenizer (a checkpoint directory or a GGUF)"),
+    ("--chat-template",): ("chat_template", str, "a chat template (a file, or the template itself) in place of "
+                                                 "the model's"),
+}
+
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a YAML file of options (keys: the options' names, with or without --; "
+                                         "the command line wins over it, it over the environment)")
+    for options, (field, kind, help_text) in VLLM_OPTIONS.items():
+        if kind is bool:
+            parser.add_argument(*options, dest=field, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(*options, dest=field, type=kind, default=None, help=help_text)
+    parser.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_const", const=True,
+                        default=None, help="vLLM's name: prefix caching on (the default)")
+    parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_const", const=False,
+                        help="vLLM's name for --no-prefix-caching")
+    parser.add_argument("--api-key", dest="api_key", action="append", default=None,
+                        help="an API key (vLLM's name; repeatable, adding to --api-keys and --api-keys-file)")
     for option, (field, kind, help_text) in SERVICE_OPTIONS.items():
         if kind is bool:
             parser.add_argument(option, dest=field, action="store_true", default=None, help=help_text)
@@ -103,11 +137,48 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    values = {field: getattr(args, field, None) for field, _, _ in SERVICE_OPTIONS.values()}
+    """The command line's settings over the config file's (--config) over the environment's."""
+    fields = {field for field, _, _ in SERVICE_OPTIONS.values()} | {field for field, _, _ in VLLM_OPTIONS.values()}
+    values = {field: getattr(args, field, None) for field in fields | {"prefix_caching"}}
     for field in LIST_OPTIONS:
         if values[field] is not None:
             values[field] = ",".join(values[field])
-    return Settings.from_env(**values)
+    if getattr(args, "api_key", None):  # --api-key adds to the keys --api-keys gives
+        values["api_keys"] = ",".join(filter(None, [values.get("api_keys") or "", *args.api_key]))
+    config = config_file_values(args.config) if getattr(args, "config", None) else {}
+    if "api_keys" in config and values.get("api_keys"):
+        values["api_keys"] = ",".join([config.pop("api_keys"), values["api_keys"]])
+    return Settings.from_env(**(config | {field: value for field, value in values.items() if value is not None}))
+
+
+def config_file_values(path: str) -> dict[str, object]:
+    """A config file's settings: a YAML mapping whose keys are the options' names (`max-num-seqs`,
+    `--max-num-seqs`, `max_num_seqs`; ours or vLLM's). Raises ValueError naming what it cannot take."""
+    import yaml
+
+    try:
+        with open(path) as file:
+            raw = yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: {error}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: not a mapping of options to values")
+    by_option = {option: (field, kind) for option, (field, kind, _) in SERVICE_OPTIONS.items()}
+    by_option |= {option: (field, kind) for options, (field, kind, _) in VLLM_OPTIONS.items() for option in options}
+    by_option |= {"--enable-prefix-caching": ("prefix_caching", bool), "--api-key": ("api_keys", "list"),
+                  "--no-enable-prefix-caching": ("prefix_caching", "off")}
+    values: dict[str, object] = {}
+    for key, value in raw.items():
+        option = "--" + str(key).lstrip("-").replace("_", "-")
+        if option not in by_option:
+            raise ValueError(f"--config {path}: unknown option {key!r}")
+        field, kind = by_option[option]
+        if kind == "off":  # (no-prefix-caching: true turns it off)
+            value = not value
+        if isinstance(value, list):
+            value = ",".join(str(item) for item in value)
+        values[field] = value
+    return values
 
 
 def configure_logging(settings: Settings) -> None:
@@ -158,6 +229,30 @@ def require_model(settings: Settings, command: str, parser: argparse.ArgumentPar
     if len(models) > 1 and command in ("scheduler", "worker"):
         parser.exit(2, f"{parser.prog}: error: a {command} serves one model; start one per model, each with its "
                        "--model, --served-model-name and ITERSERVE_MODEL_GROUP (`iterserve up` does)\n")
+    if (settings.tokenizer or settings.chat_template) and len(models) > 1:
+        parser.exit(2, f"{parser.prog}: error: --tokenizer and --chat-template replace one model's: give them with "
+                       "one --model\n")
+    if settings.max_model_len:
+        from shared.model_file import load_metadata
+
+        for served in models:
+            context = load_metadata(served.path).config.context_length
+            if settings.max_model_len > context:
+                parser.exit(2, f"{parser.prog}: error: --max-model-len {settings.max_model_len} exceeds the context "
+                               f"length of {served.name} ({context})\n")
+    try:
+        if settings.tokenizer:
+            from shared.model_file import load_metadata
+
+            load_metadata(settings.tokenizer)
+        if settings.chat_template:
+            from shared.tokenizer import compile_chat_template, read_chat_template
+
+            compile_chat_template(read_chat_template(settings.chat_template))
+    except (ModelFileError, ValueError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except Exception as error:  # jinja2's TemplateSyntaxError: the template does not compile
+        parser.exit(2, f"{parser.prog}: error: --chat-template: {type(error).__name__}: {error}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,7 +283,10 @@ def main(argv: list[str] | None = None) -> None:
 
         keep_awake()
         return
-    settings = settings_from(args)
+    try:
+        settings = settings_from(args)
+    except ValueError as error:  # a config file it cannot take, or settings that do not validate
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     configure_logging(settings)
     require_model(settings, args.command, parser)
     if args.command == "up":

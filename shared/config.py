@@ -113,6 +113,13 @@ class Settings(BaseModel):
     kv_blocks: int = Field(2048, ge=1)  # KV blocks per worker
     # When > 0, size the KV pool as this fraction of the device's free memory instead of kv_blocks.
     kv_memory_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    # vLLM's --gpu-memory-utilization: when > 0, the share of the device's whole memory the worker may
+    # take, weights and KV together; the KV pool is what the weights leave of it (on the CPU, of the
+    # machine's memory). Activations are not profiled as vLLM does: keep it below 1.
+    gpu_memory_utilization: float = Field(0.0, ge=0.0, le=1.0)
+    # vLLM's --max-model-len: serve at most this many tokens a request (prompt and output), below the
+    # model's own context length; 0: the model's.
+    max_model_len: int = Field(0, ge=0)
     kv_block_size: int = Field(16, ge=1)
     threads: int = Field(0, ge=0)  # torch threads per worker; 0: cores / workers
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -123,6 +130,12 @@ class Settings(BaseModel):
     compile: bool = False
     # CUDA only: decode-only steps padded to bucketed sizes and replayed from captured CUDA graphs.
     cuda_graphs: bool = False
+    # vLLM's --enforce-eager: every step eager, whatever cuda_graphs and compile say.
+    enforce_eager: bool = False
+    # vLLM's --tokenizer and --chat-template: another model's tokenizer (a checkpoint directory or a
+    # GGUF) and a chat template (a file, or the template itself) in place of the model's own.
+    tokenizer: str = ""
+    chat_template: str = ""
     # "emulated": no model, steps take the time a hardware profile's roofline gives (a benchmarking
     # instrument for the control plane; services/worker/emulated.py). Never the default.
     executor: Literal["engine", "emulated"] = "engine"
@@ -166,7 +179,7 @@ class Settings(BaseModel):
     # The scheduler logs each request's admission and end (at INFO; the gateways log every
     # request's end regardless). Off by default, as vLLM's --enable-log-requests: the lines are the
     # one scheduler's CPU, a quarter of its fan-out at batch 64 with few fast workers
-    # (benchmarks/results/control_plane_2026-12-03_request_lines.md).
+    # (measured 2026-12-03: benchmarks/results/control_plane_2026-12-03_request_lines.md in git history).
     log_requests: bool = False
     # `iterserve up` only: CPUs the scheduler runs on alone (a CPU list: "3", "2-3"); the workers,
     # the gateway and the private Redis run on the machine's others, and an idle-priority process
@@ -176,6 +189,9 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _depth_holds_two_groups(self) -> "Settings":
+        if self.gpu_memory_utilization and self.group_size > 1:
+            raise ValueError("gpu_memory_utilization sizes a worker's pool after its weights are loaded, which a "
+                             "worker group's ranks do at different times: use kv_memory_fraction with a group")
         if self.pipeline_depth < 2 * self.answer_every and self.answer_every > 1:
             raise ValueError(f"answer_every {self.answer_every} needs pipeline_depth at least "
                              f"{2 * self.answer_every} (a group of plans runs while the next is planned), "

@@ -64,6 +64,12 @@ class ModelKeys:
         return self._key("scheduler:heartbeat")
 
     @cached_property
+    def counters(self) -> str:
+        """Hash of the scheduler's counters that outlive it (prefix-cache queries and hits, in tokens):
+        it adds what it counted since its last heartbeat, at every heartbeat (HINCRBY)."""
+        return self._key("scheduler:counters")
+
+    @cached_property
     def incarnation(self) -> str:
         """The scheduler epoch and the Redis server (its run_id, new at every start) that the pool
         was last loaded on, "EPOCH RUN_ID": a worker's token entries are written only while both

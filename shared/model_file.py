@@ -16,7 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -190,6 +190,14 @@ def _load_gguf_metadata(path: Path) -> tuple[ModelConfig, TokenizerData, str]:
     partial.write_text(json.dumps({"config": asdict(config), "tokenizer": asdict(tokenizer)}))
     partial.replace(cached)  # atomic: concurrent starts never read half a file
     return config, tokenizer, str(cache_dir)
+
+
+def serving_config(config: ModelConfig, max_model_len: int = 0) -> ModelConfig:
+    """The model's config as served: its context cut to max_model_len (Settings.max_model_len, vLLM's
+    --max-model-len) when that is given and shorter (a longer one is refused at start)."""
+    if not max_model_len or max_model_len >= config.context_length:
+        return config
+    return replace(config, context_length=max_model_len)
 
 
 @lru_cache(maxsize=4)

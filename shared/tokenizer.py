@@ -16,6 +16,7 @@ x|Ġ|Ġ|1 there. Everywhere else the ids are the same (tests/test_tokenizer.py).
 """
 
 import codecs
+import copy
 import json
 import os
 from datetime import datetime
@@ -173,6 +174,16 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file or as the template itself (ValueError when it is neither)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: not a file, nor a template (no {{{{ or {{% in it)")
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """The chat template in the sandbox, whitespace settings and helpers transformers gives it."""
     environment = ImmutableSandboxedEnvironment(
@@ -247,6 +258,19 @@ class Tokenizer:
     def load(cls, model: str = DEFAULT_MODEL) -> "Tokenizer":
         """The tokenizer of a model name, GGUF path or checkpoint directory; one instance per process and model."""
         return _load(model)
+
+    @classmethod
+    def for_serving(cls, model: str, tokenizer: str = "", chat_template: str = "") -> "Tokenizer":
+        """The tokenizer a served model's requests go through: the model's own, or another model's
+        (Settings.tokenizer, vLLM's --tokenizer), with a chat template in place of its own when one
+        is given (Settings.chat_template: a file, or the template itself). Every service of a model
+        loads it alike, so the gateway's prompts, the scheduler's text and the workers' entries agree."""
+        loaded = _load(tokenizer or model)
+        if not chat_template:
+            return loaded
+        replaced = copy.copy(loaded)
+        replaced._chat_template = compile_chat_template(read_chat_template(chat_template))
+        return replaced
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; adds no BOS. Control tokens written in the text become their ids."""

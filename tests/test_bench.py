@@ -428,27 +428,6 @@ def test_experiments_report_renders_every_section(tmp_path):
     assert "Against `request-stream`" in text and "| request-stream | 1 |" in text
 
 
-def test_a_full_run_rewrites_only_the_readme_headline_block(tmp_path, monkeypatch):
-    from services.bench import experiments
-
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n\n{experiments.README_START}\nold\n{experiments.README_END}\n\nafter\n")
-    monkeypatch.setattr(experiments, "README", readme)
-    results = {"machine": {"cpu": "Some CPU", "cores": 2, "platform": "linux", "python": "3.11"}, "command": "c",
-               "sizes": {"workload": "orca"}, "orca_headline": {"request": {"latency_ms": 300, "ratio": 2.5, "lower_bound": False}},
-               "orca_vs_request": {"iteration": [_point_for_readme()]}}
-    experiments.update_readme(results, tmp_path)
-    text = readme.read_text()
-    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
-    assert "Some CPU, 2 cores" in text and "iteration / request = **2.50x**" in text and "| iteration |" in text
-
-
-def _point_for_readme() -> dict:
-    from services.bench.experiments import _point
-
-    return _point(synthetic_report(0.5), 2.0)
-
-
 # The control-plane experiment (emulated workers)
 
 
@@ -520,3 +499,211 @@ def test_control_plane_case_keeps_an_emulated_worker_fed_and_measures_it():
     assert by_component["scheduler"] == pytest.approx(row["scheduler_cpu_us_per_iteration"], rel=0.3)
     assert sum(row["phase_cpu_us_per_iteration"].values()) <= row["scheduler_cpu_us_per_iteration"] * 1.05
     assert row["phase_cpu_us_per_iteration"]["timers"] > 0, "the liveness polls (every 0.25 s) and heartbeats"
+
+
+# `iterserve bench serve`: vLLM's bench flags, datasets and summary
+
+
+def sharegpt_file(path, tokenizer, entries: int = 8):
+    """A ShareGPT-format file from the corpus: `entries` good conversations (human turn, gpt answer,
+    sometimes more turns), and the kinds vLLM skips (one turn, a 2-token prompt, a prompt over 1024
+    tokens, no conversations, a turn without text)."""
+    source = PromptSource(tokenizer)
+    good = []
+    for index in range(entries):
+        turns = [{"from": "human", "value": source.text_of_length(97 * index, 20 + 7 * index)},
+                 {"from": "gpt", "value": source.text_of_length(97 * index + 500, 10 + 3 * index)}]
+        if index % 3 == 0:
+            turns.append({"from": "human", "value": "and then?"})
+        good.append({"id": f"good-{index}", "conversations": turns})
+    skipped = [{"id": "one-turn", "conversations": [{"from": "human", "value": "a lone question with no answer"}]},
+               {"id": "short-prompt", "conversations": [{"from": "human", "value": "Hi"},
+                                                        {"from": "gpt", "value": source.text_of_length(0, 30)}]},
+               {"id": "long-prompt", "conversations": [{"from": "human", "value": source.text_of_length(0, 1100)},
+                                                       {"from": "gpt", "value": source.text_of_length(9, 30)}]},
+               {"id": "no-conversations", "text": "nothing here"},
+               {"id": "no-text", "conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]}]
+    data = good[:3] + skipped + good[3:]
+    path.write_text(json.dumps(data))
+    return data
+
+
+def test_sharegpt_prompts_are_the_ones_vllm_picks_in_its_order(tokenizer, tmp_path):
+    import random
+
+    from services.bench.serve import sharegpt_requests
+
+    data = sharegpt_file(tmp_path / "sharegpt.json", tokenizer)
+    # vLLM's ShareGPTDataset, as its code does it: two turns or more, random.seed + random.shuffle,
+    # then the pairs whose lengths pass is_valid_sequence, in that order.
+    entries = [entry for entry in data if len(entry.get("conversations", [])) >= 2]
+    random.seed(5)
+    random.shuffle(entries)
+    usable = [entry for entry in entries if entry["id"].startswith("good")]
+    requests = sharegpt_requests(str(tmp_path / "sharegpt.json"), 6, tokenizer, seed=5)
+    assert [request.prompt_text for request in requests] == [entry["conversations"][0]["value"] for entry in usable[:6]]
+    for request, entry in zip(requests, usable, strict=False):
+        assert request.prompt_tokens == len(tokenizer.encode_prompt(entry["conversations"][0]["value"]))
+        assert request.max_tokens == len(tokenizer.encode_prompt(entry["conversations"][1]["value"]))
+        body = request.body("m", None)
+        assert body["prompt"] == entry["conversations"][0]["value"] and "ignore_eos" not in body
+        assert "temperature" not in body, "no --temperature: the server's default, as vLLM's bench"
+    assert [r.prompt_text for r in sharegpt_requests(str(tmp_path / "sharegpt.json"), 6, tokenizer, seed=6)] != \
+           [r.prompt_text for r in requests], "another seed, another order"
+    # More prompts than usable pairs: drawn again (vLLM's oversampling), or not with --no-oversample.
+    many = sharegpt_requests(str(tmp_path / "sharegpt.json"), 20, tokenizer, seed=5)
+    assert len(many) == 20 and {r.prompt_text for r in many} == {e["conversations"][0]["value"] for e in usable}
+    assert [r.index for r in many] == list(range(20))
+    assert len(sharegpt_requests(str(tmp_path / "sharegpt.json"), 20, tokenizer, seed=5, oversample=False)) == 8
+    # --sharegpt-output-len sets every output length (and then a short answer is no reason to skip).
+    fixed = sharegpt_requests(str(tmp_path / "sharegpt.json"), 8, tokenizer, seed=5, output_len=3, ignore_eos=True)
+    assert {r.max_tokens for r in fixed} == {3} and fixed[0].body("m", 0.0)["ignore_eos"] is True
+    chat = sharegpt_requests(str(tmp_path / "sharegpt.json"), 2, tokenizer, seed=5, endpoint="chat")
+    assert chat[0].body("m", 0.0)["messages"] == [{"role": "user", "content": requests[0].prompt_text}]
+    with pytest.raises(ValueError, match="not a ShareGPT file"):
+        (tmp_path / "bad.json").write_text('{"conversations": []}')
+        sharegpt_requests(str(tmp_path / "bad.json"), 2, tokenizer)
+    with pytest.raises(ValueError, match="no usable conversation"):
+        (tmp_path / "none.json").write_text(json.dumps(data[3:8]))
+        sharegpt_requests(str(tmp_path / "none.json"), 2, tokenizer)
+
+
+def test_random_prompts_have_the_asked_lengths_and_share_the_prefix(tokenizer):
+    from services.bench.serve import random_requests
+
+    exact = random_requests(5, tokenizer, seed=1, input_len=40, output_len=7)
+    assert [len(r.prompt) for r in exact] == [40] * 5 and [r.max_tokens for r in exact] == [7] * 5
+    assert len({r.prompt for r in exact}) == 5 and all(r.ignore_eos for r in exact)
+    assert not {t for r in exact for t in r.prompt} & tokenizer.special_token_ids
+    spread = random_requests(200, tokenizer, seed=1, input_len=40, output_len=10, range_ratio=0.5, prefix_len=6)
+    assert {len(r.prompt) - 6 for r in spread} <= set(range(20, 61)) and len({len(r.prompt) for r in spread}) > 10
+    assert {r.max_tokens for r in spread} <= set(range(5, 16)) and len({r.prompt[:6] for r in spread}) == 1
+    assert [r.prompt for r in random_requests(5, tokenizer, seed=1, input_len=40, output_len=7)] == \
+           [r.prompt for r in exact]
+
+
+def serve_args(*argv: str):
+    from services.bench.serve import checked_args
+
+    return checked_args(["--dataset-name", "random", *argv])
+
+
+def test_serve_summary_is_vllms_block_line_for_line():
+    from services.bench.serve import serve_metrics, summary_lines
+
+    results = [  # sent, first chunk, chunk times, finished, tokens (prompt, output)
+        RequestResult(0, 10, 3, sent_at=0.0, first_token_at=0.1, chunk_times=[0.1, 0.3, 0.6], finished_at=0.6,
+                      output_tokens=3, finish_reason="length"),
+        RequestResult(1, 20, 2, sent_at=0.2, first_token_at=0.5, chunk_times=[0.5, 1.2], finished_at=1.2,
+                      output_tokens=2, finish_reason="stop"),
+        RequestResult(2, 30, 1, sent_at=1.5, first_token_at=1.6, chunk_times=[1.6], finished_at=1.6,
+                      output_tokens=1, finish_reason="length"),
+        RequestResult(3, 40, 5, sent_at=1.5, finished_at=1.7, error="HTTP 400: bad"),
+    ]
+    args = serve_args("--max-concurrency", "2", "--request-rate", "4", "--goodput", "ttft:200",
+                      "--percentile-metrics", "ttft,tpot,itl,e2el,client_queue_time", "--metric-percentiles", "50,99.9")
+    figures = serve_metrics(results, [0.0, 0.0, 0.25, 0.0], 2.0, args.metrics, args.percentiles, args.slos)
+    lines = summary_lines(figures, args)
+    assert lines[0] == "============ Serving Benchmark Result ============" and lines[-1] == "=" * 50
+    assert lines[1:9] == [
+        "Successful requests:                     3         ",
+        "Failed requests:                         1         ",
+        "Maximum request concurrency:             2         ",
+        "Request rate configured (RPS):           4.00      ",
+        "Benchmark duration (s):                  2.00      ",
+        "Total input tokens:                      60        ",
+        "Total generated tokens:                  6         ",
+        "Request throughput (req/s):              1.50      "]
+    assert lines[9:14] == [
+        "Request goodput (req/s):                 1.00      ",  # TTFT 100, 300, 100 ms against 200
+        "Output token throughput (tok/s):         3.00      ",
+        "Peak output token throughput (tok/s):    4.00      ",  # chunks at 0.1 0.3 0.5 0.6 in second 0
+        "Peak concurrent requests:                2.00      ",
+        "Total token throughput (tok/s):          33.00     "]
+    assert lines[14:18] == ["---------------Time to First Token----------------",
+                            "Mean TTFT (ms):                          166.67    ",
+                            "Median TTFT (ms):                        100.00    ",
+                            "P50 TTFT (ms):                           100.00    "]
+    assert lines[18] == "P99.9 TTFT (ms):                         299.60    "
+    assert "-----Time per Output Token (excl. 1st token)------" in lines
+    assert "Mean TPOT (ms):                          475.00    " in lines  # 250 and 700 ms
+    assert "Median ITL (ms):                         300.00    " in lines  # gaps 200, 300, 700 ms
+    assert "Mean E2EL (ms):                          566.67    " in lines
+    assert "Mean Client Queue Time (ms):             83.33     " in lines
+    assert not any("E2EL incl. Client Queue" in line for line in lines), "only the metrics asked for"
+    defaults = serve_args()
+    plain = summary_lines(serve_metrics(results, [0.0] * 4, 2.0, defaults.metrics, defaults.percentiles, {}), defaults)
+    assert not any(line.startswith(("Maximum request", "Request rate", "Request goodput", "Mean E2EL"))
+                   for line in plain)
+    assert figures["p50_ttft_ms"] == pytest.approx(100.0) and figures["failed"] == 1 and figures["completed"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--dataset-name", "sonnet"], "invalid choice: 'sonnet'"),
+    (["--dataset-name", "random", "--dataset-path", "x.json"], "takes no --dataset-path"),
+    (["--percentile-metrics", "ttft,latency"], "unknown latency"),
+    (["--goodput", "itl:5"], "KEY one of ttft, tpot, e2el"),
+    (["--max-concurrency", "0"], "must be > 0"),
+    (["--random-range-ratio", "1"], "[0, 1)"),
+    (["--backend", "openai-chat"], "needs --endpoint /v1/chat/completions"),
+])
+def test_serve_refuses_what_vllm_refuses_and_what_it_does_not_do(argv, message):
+    completed = subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", *argv], capture_output=True,
+                               text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert completed.returncode == 2 and message in completed.stderr, completed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_bench_serve_against_the_whole_system(tmp_path, tokenizer):
+    """vLLM's bench command line, a generated ShareGPT file and the random dataset through a real
+    system: its summary lines and saved JSON agree with what the server answered."""
+    from tests.system import System
+
+    data = sharegpt_file(tmp_path / "sharegpt.json", tokenizer)
+    with System(workers=1, kv_blocks=128) as system:
+        def serve(*argv: str) -> subprocess.CompletedProcess:
+            completed = subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url",
+                                        system.base_url, "--disable-tqdm", *argv], capture_output=True, text=True,
+                                       timeout=300, stdin=subprocess.DEVNULL)
+            assert completed.returncode == 0, completed.stderr[-3000:]
+            return completed
+
+        sharegpt = serve("--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"),
+                         "--num-prompts", "6", "--seed", "2", "--request-rate", "20", "--max-concurrency", "3",
+                         "--sharegpt-output-len", "5", "--ignore-eos", "--temperature", "0",
+                         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                         "--goodput", "ttft:600000", "--save-result", "--result-dir", str(tmp_path / "results"),
+                         "--save-detailed")
+        random_run = serve("--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "4",
+                           "--num-prompts", "4", "--save-result", "--result-dir", str(tmp_path / "results"),
+                           "--result-filename", "random.json")
+        chat = serve("--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "sharegpt",
+                     "--dataset-path", str(tmp_path / "sharegpt.json"), "--num-prompts", "2", "--temperature", "0")
+    lines = sharegpt.stdout.splitlines()
+    assert lines[0].startswith("iterserve bench serve (executor: engine): 6 sharegpt prompts")
+    values = {line[:40].strip(): line[41:].strip() for line in lines if len(line) > 41 and line[:40].endswith(" ")}
+    assert values["Successful requests:"] == "6" and values["Failed requests:"] == "0"
+    assert values["Maximum request concurrency:"] == "3" and values["Request rate configured (RPS):"] == "20.00"
+    assert values["Total generated tokens:"] == "30", "--ignore-eos with --sharegpt-output-len 5"
+    saved = json.loads(next((tmp_path / "results").glob("openai-20.0qps-concurrency3-*.json")).read_text())
+    assert next(iter(saved)) == "executor" and saved["executor"] == "engine"
+    assert saved["model_id"] == "smollm2-135m-instruct" and saved["num_prompts"] == 6 and saved["completed"] == 6
+    assert values["Total input tokens:"] == str(saved["total_input_tokens"])
+    from services.bench.serve import sharegpt_requests
+
+    sent = sharegpt_requests(str(tmp_path / "sharegpt.json"), 6, tokenizer, seed=2)
+    assert saved["total_input_tokens"] == sum(request.prompt_tokens for request in sent), \
+        "the server counts the prompts as the dataset did"
+    assert 0 < saved["max_concurrent_requests"] <= 3 and saved["request_goodput"] == pytest.approx(
+        saved["request_throughput"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert saved[f"mean_{metric}_ms"] > 0 and f"p99_{metric}_ms" in saved and f"p50_{metric}_ms" in saved
+        assert values[f"Mean {metric.upper()} (ms):"] == f"{saved[f'mean_{metric}_ms']:.2f}"
+    assert len(saved["latencies"]) == 6 and len(saved["generated_texts"]) == 6
+    randomly = json.loads((tmp_path / "results" / "random.json").read_text())
+    assert (randomly["completed"], randomly["total_input_tokens"], randomly["total_output_tokens"]) == (4, 128, 16)
+    assert "input_lens" not in randomly and randomly["request_rate"] == "inf"
+    assert "Maximum request concurrency" not in random_run.stdout and "P99 ITL (ms):" in random_run.stdout
+    assert "Successful requests:                     2" in chat.stdout

@@ -9,7 +9,7 @@ request's seed and k only), so each scenario's outputs are compared with a fault
 same requests (the module's `baseline`). Each test runs its own Cluster (tests/cluster.py): every
 process it started is killed and reaped when the test ends, pass or fail.
 
-What each fault costs is measured as it runs and printed at the end of the module (README,
+What each fault costs is measured as it runs and printed at the end of the module (docs/operations.md,
 "Faults: what each costs"); with ITERSERVE_CHAOS_REPORT=path it is also written there as JSON:
 
     ITERSERVE_CHAOS_REPORT=/tmp/chaos.json .venv/bin/python -m pytest -m chaos -s tests/test_chaos.py
@@ -916,7 +916,7 @@ async def extra_after_redis_restart(cluster: Cluster, restarted: tuple[float, fl
 @pytest.mark.parametrize("down_seconds", [0.0, 3.0], ids=["at-once", "down-3s"])
 def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_seconds):
     """Redis (`appendfsync everysec`) may lose its last writes with its process, acknowledged or
-    not (README, "fsync policy"), so on its new run_id the scheduler loads the pool again as a new
+    not (docs/operations.md, "fsync policy"), so on its new run_id the scheduler loads the pool again as a new
     scheduler would, and every request runs on, exact, from what Redis kept. Down 3 s: the
     workers' heartbeat keys expire meanwhile; the new epoch finds them again as they beat."""
     with Cluster(**executor, workers=2) as cluster:

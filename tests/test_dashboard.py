@@ -24,15 +24,38 @@ def get_json(url: str) -> dict:
 
 
 async def test_the_dashboard_shows_every_worker_its_iterations_and_a_cancelled_request(tmp_path):
+    """... and a worker of an earlier run, whose iteration records Redis kept (it keeps its data across
+    runs), marked gone after the live ones; and latencies that say there are none yet."""
+    import redis
+
+    from shared import keys
+    from shared.messages import IterationRecord
+    from shared.wire import encode
+
     chromium_binary()  # skip (or fail in CI) before starting anything
     with System(workers=2) as system:
         for _ in range(240):  # healthy is one worker: wait for both
             if len(get_json(f"{system.base_url}/status")["workers"]) == 2:
                 break
             await asyncio.sleep(0.25)
+        earlier = "worker-of-an-earlier-run"
+        client = redis.Redis.from_url(system.redis_url)
+        try:
+            client.xadd(keys.ITERATIONS_STREAM, {"m": encode(IterationRecord(
+                iteration=1, worker_id=earlier, plan_id=1, request_ids=("cmpl-old",), joined=("cmpl-old",),
+                finished=(), prefill_tokens=12, decode_tokens=0, started_at=1.0, finished_at=1.1))})
+        finally:
+            client.close()
         async with Browser() as browser, aiohttp.ClientSession() as http:
             await browser.open(f"{system.base_url}/dashboard")
             await browser.wait_for("document.getElementById('waiting').textContent !== '–'", what="the queue")
+            gone = f"section.worker.gone[data-worker-id=\"{earlier}\"]"
+            await browser.wait_for(f"!!document.querySelector('{gone}')", what="the earlier run's worker marked gone")
+            assert "gone" in await browser.evaluate(f"document.querySelector('{gone} .info').textContent")
+            assert await browser.evaluate("document.querySelector('#workers section:last-child').dataset.workerId") \
+                == earlier, "a gone worker comes after the live ones"
+            await browser.wait_for("document.getElementById('ttft').textContent === 'no first token yet'",
+                                   what="the latencies saying there are none yet")
 
             async def complete(prompt: str, max_tokens: int) -> dict:
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -68,7 +91,8 @@ async def test_the_dashboard_shows_every_worker_its_iterations_and_a_cancelled_r
             await browser.wait_for(f"!!document.querySelector('{listed}')", what=f"the cancelled request {request_id}")
             batch = await browser.evaluate("document.querySelector('.iteration.with-cancel') !== null")
             assert batch, "the batch the cancelled request was in is marked"
-            await browser.wait_for("document.getElementById('ttft').textContent !== '–'", what="time to first token")
+            await browser.wait_for("/ (ms|s)$/.test(document.getElementById('ttft').textContent)",
+                                   what="time to first token")
             info = await browser.evaluate("document.querySelector('section.worker .info').textContent")
             assert f"model {MODEL}" in info and "KV" in info
             assert await browser.evaluate("document.getElementById('problem').textContent") == ""

@@ -3,6 +3,7 @@
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,81 @@ def test_scheduler_cpus_read_as_taskset_writes_them_and_a_bad_list_is_refused():
     assert Settings(scheduler_cpus="2-3").scheduler_cpus == "2-3"
     # The workers share the CPUs left to them, not the machine's
     assert threads_per_worker(2, cores=6) == 3 and threads_per_worker(4, cores=2) == 1
+
+
+def parsed_settings(argv: list[str], monkeypatch=None):
+    """The Settings `iterserve <argv>` would run with (its parser, not a copy of it)."""
+    import argparse
+
+    from services.cli import add_service_options, settings_from
+
+    parser = argparse.ArgumentParser()
+    add_service_options(parser)
+    return settings_from(parser.parse_args(argv))
+
+
+def test_a_vllm_serve_command_line_and_a_config_file_give_the_same_settings(tmp_path, monkeypatch):
+    """vLLM's names for the options iterserve has are taken as its own (an operator's `vllm serve` line
+    works unchanged); a YAML config file (--config) gives the same, under the command line and over
+    the environment; an option it does not know is refused, naming it."""
+    for name in ("ITERSERVE_MAX_BATCH_SIZE", "ITERSERVE_PREFIX_CACHING", "ITERSERVE_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    vllm = parsed_settings(["-tp", "2", "--pipeline-parallel-size", "1", "--max-num-seqs", "32",
+                            "--max-num-batched-tokens", "1024", "--block-size", "32", "--max-model-len", "4096",
+                            "--no-enable-prefix-caching", "--enforce-eager", "--api-key", "k1", "--api-key", "k2",
+                            "--api-keys", "k0"])
+    assert (vllm.tensor_parallel, vllm.pipeline_parallel, vllm.max_batch_size, vllm.max_batch_tokens,
+            vllm.kv_block_size, vllm.max_model_len, vllm.prefix_caching, vllm.enforce_eager) == (
+        2, 1, 32, 1024, 32, 4096, False, True)
+    assert vllm.api_keys.split(",") == ["k0", "k1", "k2"]
+    assert parsed_settings(["--enable-prefix-caching"]).prefix_caching is True
+    assert parsed_settings(["--gpu-memory-utilization", "0.9"]).gpu_memory_utilization == 0.9
+    config = tmp_path / "serve.yaml"
+    config.write_text("tensor-parallel-size: 2\n--max-num-seqs: 32\nmax_num_batched_tokens: 1024\nblock-size: 32\n"
+                      "max-model-len: 4096\nno-prefix-caching: true\nenforce-eager: true\napi-key: [k1, k2]\n")
+    from_file = parsed_settings(["--config", str(config), "--api-keys", "k0"])
+    assert (from_file.tensor_parallel, from_file.max_batch_size, from_file.max_batch_tokens, from_file.kv_block_size,
+            from_file.max_model_len, from_file.prefix_caching, from_file.enforce_eager) == (2, 32, 1024, 32, 4096, False,
+                                                                                            True)
+    assert sorted(from_file.api_keys.split(",")) == ["k0", "k1", "k2"]
+    # The command line over the file, the file over the environment
+    monkeypatch.setenv("ITERSERVE_MAX_BATCH_SIZE", "8")
+    monkeypatch.setenv("ITERSERVE_MAX_BATCH_TOKENS", "64")
+    assert parsed_settings(["--config", str(config), "--max-num-seqs", "16"]).max_batch_size == 16
+    assert parsed_settings(["--config", str(config)]).max_batch_tokens == 1024
+    assert parsed_settings([]).max_batch_tokens == 64
+    config.write_text("max-num-seqs: 4\nspeculative-config: {}\n")
+    with pytest.raises(ValueError, match="unknown option 'speculative-config'"):
+        parsed_settings(["--config", str(config)])
+    # Through the real command: a bad file or value stops it with exit 2 and the reason
+    for argv, said in ((["worker", "--config", str(config)], "unknown option 'speculative-config'"),
+                       (["worker", "--max-num-seqs", "0"], "max_batch_size"),
+                       (["worker", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the context length"),
+                       (["worker", "--chat-template", "/no/such/template"], "not a file, nor a template"),
+                       (["up", "--gpu-memory-utilization", "0.5", "-tp", "3"], "use kv_memory_fraction with a group")):
+        run = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        assert run.returncode == 2 and said in run.stderr, (argv, run.returncode, run.stderr[-1500:])
+
+
+def test_max_model_len_and_gpu_memory_utilization_size_what_a_worker_serves(monkeypatch):
+    """--max-model-len cuts the served context (the engine refuses a longer item, its KV rows hold no
+    more); --gpu-memory-utilization (vLLM's meaning) sizes the KV pool from the device's whole memory,
+    less what is in use already, and one that leaves no room for a block is refused."""
+    import torch
+
+    from services.worker import engine as engine_module
+    from services.worker.engine import Engine, KVPoolTooSmall
+    from shared.config import Settings
+    from shared.model_file import serving_config
+    from tests.engine_helpers import TINY_CONFIG
+
+    assert serving_config(TINY_CONFIG, 100).context_length == 100
+    assert serving_config(TINY_CONFIG, 0) is TINY_CONFIG and serving_config(TINY_CONFIG, 10_000) is TINY_CONFIG
+    gib = 1 << 30
+    monkeypatch.setattr(engine_module, "memory_bytes", lambda device: (6 * gib, 10 * gib))  # 4 GiB in use
+    block = 2 * TINY_CONFIG.n_layers * TINY_CONFIG.n_kv_heads * TINY_CONFIG.head_dim * 16 * 4
+    settings = Settings(gpu_memory_utilization=0.5, kv_block_size=16)
+    assert Engine.kv_blocks_in(TINY_CONFIG, settings, torch.device("cpu"), torch.float32) == gib // block
+    with pytest.raises(KVPoolTooSmall, match="no room for a KV block"):
+        Engine.kv_blocks_in(TINY_CONFIG, Settings(gpu_memory_utilization=0.4), torch.device("cpu"), torch.float32)

@@ -6,6 +6,7 @@ protocol's streams and writes TokenEvents exactly as docs/protocol.md says the s
 
 import asyncio
 import json
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -685,6 +686,45 @@ async def test_status_and_metrics(gateway, scheduler, redis_client):
     ]
     missing = [line for line in expected if line not in text]
     assert not missing, f"/metrics lacks {missing}:\n{text}"
+
+
+async def test_vllm_named_metrics_beside_ours_and_the_scheduler_counters_outlive_it(gateway, scheduler, redis_client):
+    """The series routers and autoscalers read from vLLM, under its names and `model_name` label: the
+    queue, KV use, latencies and tokens from this gateway, and the prefix-cache counters from the
+    scheduler's totals in Redis (a scheduler restart, whose own counts start over, keeps them)."""
+    model = 'model_name="smollm2-135m-instruct"'
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(scheduler_info()), px=5000)
+    await redis_client.set(keys.worker_heartbeat("w1"), encode(worker_info("w1")), px=5000)
+    await redis_client.sadd(keys.WORKERS_SET, "w1")
+    await redis_client.hset(keys.SINGLE_MODEL.counters, mapping={"prefix_cache_queried_tokens": 900,
+                                                                 "prefix_cache_hit_tokens": 600})
+    assert (await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "max_tokens": 4}))[0] == 200
+    async with asyncio.timeout(WAIT_SECONDS):
+        text = await (await gateway.get("/metrics")).text()
+    expected = [f"vllm:num_requests_waiting{{{model}}} 2.0", f"vllm:num_requests_running{{{model}}} 3.0",
+                f"vllm:kv_cache_usage_perc{{{model}}} 0.4", f"vllm:time_to_first_token_seconds_count{{{model}}} 1.0",
+                f"vllm:inter_token_latency_seconds_count{{{model}}} 3.0",
+                f"vllm:e2e_request_latency_seconds_count{{{model}}} 1.0",
+                f"vllm:generation_tokens_total{{{model}}} 4.0", f"vllm:prefix_cache_queries_total{{{model}}} 900.0",
+                f"vllm:prefix_cache_hits_total{{{model}}} 600.0", "# TYPE vllm:prefix_cache_hits_total counter"]
+    missing = [line for line in expected if line not in text]
+    assert not missing, f"/metrics lacks {missing}:\n{text}"
+    assert re.search(rf"vllm:prompt_tokens_total{{{model}}} [1-9]", text)
+    await redis_client.delete(keys.SINGLE_MODEL.counters)
+
+
+async def test_livez_answers_while_nothing_behind_the_gateway_does(redis_url, tokenizer):
+    """/livez (a restart probe) and /version answer when Redis is unreachable and /health says 503."""
+    from services.launcher import free_port
+
+    settings = gateway_settings(f"redis://127.0.0.1:{free_port()}/0")
+    async with serve_gateway(settings, tokenizer) as client:
+        async with asyncio.timeout(WAIT_SECONDS):
+            live, version, health = (await client.get("/livez"), await client.get("/version"),
+                                     await client.get("/health"))
+            assert (live.status, await live.json()) == (200, {"status": "alive"})
+            assert version.status == 200 and (await version.json())["version"] == "0.1.0"
+            assert health.status == 503
 
 
 async def test_a_failed_request_is_an_error_not_a_500(gateway, redis_client):

@@ -3,6 +3,7 @@
   iterserve bench --url http://127.0.0.1:8000 --workload orca --rate 2 --num-requests 200 \\
                   --seed 0 --output run.json [--ttft-slo 1000 --tpot-slo 100] [--cancel-fraction 0.3]
   iterserve bench --concurrency 8 ...         closed loop instead of a rate
+  iterserve bench serve --dataset-name sharegpt --dataset-path F ...   vllm bench serve's flags and summary
   iterserve bench experiments [--quick]       every experiment; writes benchmarks/results/
   iterserve bench experiments control-plane   emulated fleets: does one scheduler keep them busy?
   iterserve bench experiments orca-emulated   Orca against request-level at GPU cost (emulated A100, 13B)
@@ -110,6 +111,11 @@ def executor_words(executor: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        from services.bench.serve import main as serve_main
+
+        serve_main(argv[1:])
+        return
     if argv and argv[0] == "experiments":
         from services.bench.experiments import main as experiments_main
 

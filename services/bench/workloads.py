@@ -95,14 +95,21 @@ class BenchRequest:
     messages: tuple[dict, ...] = field(default=())  # chat
     conversation: int = -1  # multiturn: which conversation, and which of its turns
     turn: int = 0
+    prompt_text: str = ""  # completions: text instead of token ids (`bench serve`'s ShareGPT prompts)
+    ignore_eos: bool = True  # forced lengths (`bench serve` forces them only when asked, as vLLM's)
 
-    def body(self, model: str, temperature: float) -> dict:
-        body = {"model": model, "max_tokens": self.max_tokens, "ignore_eos": True, "temperature": temperature,
-                "seed": self.seed, "stream": True, "stream_options": {"include_usage": True}}
+    def body(self, model: str, temperature: float | None) -> dict:
+        """The request's JSON; temperature None leaves it to the server's default (vLLM's bench does)."""
+        body = {"model": model, "max_tokens": self.max_tokens, "seed": self.seed, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if temperature is not None:
+            body["temperature"] = temperature
         if self.endpoint == "chat":
             body["messages"] = list(self.messages)
         else:
-            body["prompt"] = list(self.prompt)
+            body["prompt"] = self.prompt_text or list(self.prompt)
         return body
 
 

@@ -22,7 +22,7 @@ from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayM
 from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, RequestState, Store
 from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo, WorkerInfo
-from shared.model_file import load_metadata
+from shared.model_file import load_metadata, serving_config
 from shared.served_models import served_models
 from shared.redis_connection import connect
 from shared.startup_heap import freeze_startup_heap
@@ -46,8 +46,9 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
 
     models = {}
     for served in served_models(settings):  # tokenizer: the first model's, already loaded (tests)
-        model_tokenizer = tokenizer if tokenizer is not None and not models else Tokenizer.load(served.path)
-        context_length = load_metadata(served.path).config.context_length
+        model_tokenizer = tokenizer if tokenizer is not None and not models else Tokenizer.for_serving(
+            served.path, settings.tokenizer, settings.chat_template)
+        context_length = serving_config(load_metadata(served.path).config, settings.max_model_len).context_length
         models[served.name] = GatewayModel(served.name, model_tokenizer, context_length, served.keys)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware, access_middleware])
     app[STATE] = GatewayState(
@@ -65,15 +66,39 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
     app.router.add_delete("/v1/requests/{request_id}", cancel_request)
     app.router.add_get("/v1/requests/{request_id}/stream", reattach_stream)
     app.router.add_get("/health", health)
+    app.router.add_get("/livez", livez)
+    app.router.add_get("/version", version)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/dashboard", dashboard_page)
     app.router.add_get("/dashboard/events", dashboard_events)
     app.on_startup.append(_open_redis)
+    app.on_startup.append(_follow_executors)
     app.on_cleanup.append(_close_redis)
     app.on_response_prepare.append(_name_the_executor)
     return app
+
+
+EXECUTORS_EVERY_SECONDS = 2.0
+
+
+async def _follow_executors(app: web.Application) -> None:
+    """Reads each model's executors from its scheduler's heartbeat every EXECUTORS_EVERY_SECONDS, so
+    that the first answers after a start name them too (not only those after a /health or /status
+    read); cancelled at shutdown."""
+    state = app[STATE]
+
+    async def follow() -> None:
+        while True:
+            for model in list(state.models.values()):
+                try:
+                    state.note_executors(model.name, await state.store.scheduler_info(model.keys))
+                except ServiceUnavailable:
+                    pass  # Redis is away: the last ones stand; /health says why
+            await asyncio.sleep(EXECUTORS_EVERY_SECONDS)
+
+    state.executors_task = asyncio.get_running_loop().create_task(follow())
 
 
 async def _name_the_executor(request: web.Request, response: web.StreamResponse) -> None:
@@ -88,6 +113,8 @@ async def _open_redis(app: web.Application) -> None:
 
 async def _close_redis(app: web.Application) -> None:
     state = app[STATE]
+    if state.executors_task is not None:
+        state.executors_task.cancel()
     await state.drain_background()  # cancellations sent by handlers cut off at shutdown
     if state.store is not None:
         await state.store.aclose()
@@ -255,6 +282,24 @@ async def _views(state: GatewayState, timeout: float) -> list[tuple[GatewayModel
     for model, view in zip(models, views):
         state.note_executors(model.name, view.scheduler)
     return list(zip(models, views, strict=True))
+
+
+async def livez(request: web.Request) -> web.Response:
+    """200 whenever this gateway serves HTTP, whatever Redis, the scheduler or the workers do: an
+    orchestrator's restart probe (restarting a gateway cannot bring a worker back; /health is the
+    readiness probe)."""
+    return web.json_response({"status": "alive"})
+
+
+async def version(request: web.Request) -> web.Response:
+    """This server's version (vLLM's /version)."""
+    from importlib.metadata import PackageNotFoundError, version as installed_version
+
+    try:
+        number = installed_version("iterserve")
+    except PackageNotFoundError:  # (run from a checkout that was not installed)
+        number = "unknown"
+    return web.json_response({"version": number})
 
 
 async def health(request: web.Request) -> web.Response:

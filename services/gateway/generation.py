@@ -83,6 +83,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         sampling.temperature, sampling.seed,
     )  # fmt: skip
     state.metrics.prompt_tokens.inc(len(prompt_token_ids))
+    state.metrics.vllm.prompt_tokens.labels(model.name).inc(len(prompt_token_ids))
     answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
                     logprobs=sampling.logprobs >= 0)
     answer.ticket = ticket
@@ -236,7 +237,10 @@ class Answer:
                     self.ticket.started()
                 if self.started is not None:
                     self.state.metrics.time_to_first_token.observe(now - self.started)
+                    self.state.metrics.vllm.time_to_first_token.labels(self.model.name).observe(now - self.started)
                     self.state.metrics.recent.note("ttft", now - self.started)
+            elif self.started is not None:
+                self.state.metrics.vllm.inter_token_latency.labels(self.model.name).observe(now - self.last_token_at)
             self.last_token_at = now
 
     def finish(self, event: TokenEvent) -> dict:
@@ -253,6 +257,8 @@ class Answer:
             metrics = self.state.metrics
             metrics.completion_tokens.inc(completion_tokens)
             metrics.e2e_latency.observe(time.monotonic() - self.started)
+            metrics.vllm.generation_tokens.labels(self.model.name).inc(completion_tokens)
+            metrics.vllm.e2e_request_latency.labels(self.model.name).observe(time.monotonic() - self.started)
             if self.tokens_seen > 1:
                 decode_seconds = self.last_token_at - self.first_token_at
                 metrics.time_per_output_token.observe(decode_seconds / (self.tokens_seen - 1))

@@ -4,6 +4,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from services.gateway.store import ClusterView
 
@@ -107,6 +108,7 @@ class GatewayMetrics:
             "workers: the profile's step times)", ["worker_id", "executor"], registry=registry
         )
         self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=registry)
+        self.vllm = VllmMetrics(registry)
 
     def observe_cluster(self, views: "list[tuple[str, ClusterView]] | None") -> None:
         """Refresh the gauges read from heartbeat keys, per model (None: Redis did not answer)."""
@@ -115,7 +117,7 @@ class GatewayMetrics:
             return
         for gauge in (self.waiting, self.running, self.live_workers, self.kv_blocks_free, self.kv_blocks_cached,
                       self.busy_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
-                      self.prefix_cache_mismatches):
+                      self.prefix_cache_mismatches, self.vllm.running, self.vllm.waiting, self.vllm.kv_cache_usage):
             gauge.clear()
         for model, view in views:
             self.waiting.labels(model).set(view.scheduler.waiting if view.scheduler else 0)
@@ -125,6 +127,7 @@ class GatewayMetrics:
                 self.prefix_cache_queries.labels(model).set(view.scheduler.prefix_cache_queried_tokens)
                 self.prefix_cache_hits.labels(model).set(view.scheduler.prefix_cache_hit_tokens)
                 self.prefix_cache_mismatches.labels(model).set(view.scheduler.prefix_cache_mismatches)
+            self.vllm.observe_cluster(model, view)
             for worker in view.workers:
                 self.kv_blocks_free.labels(worker.worker_id, worker.executor).set(worker.kv_blocks_free)
                 self.kv_blocks_cached.labels(worker.worker_id, worker.executor).set(worker.kv_blocks_cached)
@@ -132,3 +135,61 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """The series routers and autoscalers read from vLLM, under vLLM's names and its `model_name` label,
+    beside iterserve's own: the queue, KV use, latencies, tokens and the prefix cache's counters (these
+    from the scheduler's totals in Redis, which survive its restarts: services/scheduler/service.py)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        label = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests running (holding KV on a worker)", label,
+                             registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", label, registry=registry)
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use",
+                                    label, registry=registry)
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to the first token", label,
+                                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Time between two output tokens",
+                                             label, buckets=TOKEN_TIME_BUCKETS, registry=registry)
+        self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token",
+                                             label, buckets=LATENCY_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens accepted", label, registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens delivered", label, registry=registry)
+        # The scheduler's totals, as last read from Redis (they outlive its restarts): counters whose
+        # values come from outside this process, so a collector of their own.
+        self.lasting: dict[str, dict[str, int]] = {}  # model -> counter -> total
+        registry.register(_LastingCounters(self.lasting))
+
+    def observe_cluster(self, model: str, view: ClusterView) -> None:
+        if view.scheduler:
+            self.running.labels(model).set(view.scheduler.running)
+            self.waiting.labels(model).set(view.scheduler.waiting)
+        total = sum(worker.kv_blocks_total for worker in view.workers)
+        unused = sum(worker.kv_blocks_free + worker.kv_blocks_cached for worker in view.workers)
+        self.kv_cache_usage.labels(model).set((total - unused) / total if total else 0.0)
+        self.lasting[model] = dict(view.counters)
+
+
+class _LastingCounters:
+    """vLLM's prefix-cache counters, from the scheduler's totals in Redis (services/scheduler/service.py
+    COUNTERS), as counters."""
+
+    SERIES = (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+               "prefix_cache_queried_tokens"),
+              ("vllm:prefix_cache_hits", "Of them, tokens found cached", "prefix_cache_hit_tokens"))
+
+    def __init__(self, lasting: dict[str, dict[str, int]]) -> None:
+        self.lasting = lasting
+
+    def collect(self):
+        for name, documentation, field in self.SERIES:
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            for model, counters in self.lasting.items():
+                family.add_metric([model], counters.get(field, 0))
+            yield family
+
+    def describe(self):
+        return [CounterMetricFamily(name, documentation, labels=["model_name"])
+                for name, documentation, _ in self.SERIES]

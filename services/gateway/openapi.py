@@ -331,6 +331,22 @@ def openapi_document(settings: Settings, model_name: str, keys_required: bool, c
                     },
                 },
             },
+            "/livez": {
+                "get": {
+                    "summary": "200 whenever the gateway serves HTTP (a restart probe: workers down do not fail it)",
+                    "security": [],
+                    "responses": {"200": {"description": "alive", "content": {JSON: {"schema": {
+                        "type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}}}}},
+                },
+            },
+            "/version": {
+                "get": {
+                    "summary": "The server's version",
+                    "security": [],
+                    "responses": {"200": {"description": "the version", "content": {JSON: {"schema": {
+                        "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}}},
+                },
+            },
             "/status": {
                 "get": {
                     "summary": "Workers, waiting and running requests",

@@ -48,6 +48,7 @@ class GatewayState:
     # The executors of each model's workers as its scheduler last said (SchedulerInfo.executors): every
     # answer names them (x-iterserve-executor), so a figure read off an emulated system says so.
     executors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    executors_task: "asyncio.Task | None" = None  # what keeps `executors` current (app.py _follow_executors)
 
     def note_executors(self, model_name: str, scheduler: "SchedulerInfo | None") -> None:
         if scheduler is not None and scheduler.executors:

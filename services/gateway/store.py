@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -69,6 +69,7 @@ class ClusterView:
     live_worker_ids: list[str]
     registered_worker_ids: list[str]
     active_requests: int
+    counters: dict[str, int] = field(default_factory=dict)  # the scheduler's lasting counters (ModelKeys.counters)
 
 
 class Store:
@@ -184,7 +185,7 @@ class Store:
 
         resubmit (the gateway that accepted the request, while it waits for it): a request whose key
         is gone while it has not ended (looked at after one idle wait, then every STATUS_CHECK_EVERY)
-        was accepted in writes a restarted Redis lost (README, "fsync policy"); it is submitted
+        was accepted in writes a restarted Redis lost (docs/operations.md, "fsync policy"); it is submitted
         again, as it was, up to MAX_RESUBMITS times, and followed on from the entry read last. Its
         output is the same again (seeded, and its entries' ids are their output indexes), so the
         reader misses nothing and sees nothing twice.
@@ -295,10 +296,11 @@ class Store:
         """One model's pool: its scheduler and workers."""
         async def read() -> ClusterView:
             redis = self.redis
-            scheduler_raw, members, active_requests = await asyncio.gather(
+            scheduler_raw, members, active_requests, counters = await asyncio.gather(
                 redis.get(model_keys.scheduler_heartbeat),
                 redis.smembers(model_keys.workers),
                 redis.scard(model_keys.active_requests),
+                redis.hgetall(model_keys.counters),
             )
             registered = sorted(member.decode(errors="replace") for member in members)
             heartbeat_keys = [keys.worker_heartbeat(worker_id) for worker_id in registered]
@@ -318,7 +320,14 @@ class Store:
                     scheduler = decode(SchedulerInfo, scheduler_raw)
                 except WireError as error:
                     log.warning("bad scheduler heartbeat error=%s", error)
-            return ClusterView(scheduler, scheduler_raw is not None, workers, live, registered, active_requests)
+            lasting = {}
+            for name, value in counters.items():
+                try:
+                    lasting[name.decode()] = int(value)
+                except (UnicodeDecodeError, ValueError):
+                    log.warning("bad scheduler counter %r=%r", name[:40], value[:40])
+            return ClusterView(scheduler, scheduler_raw is not None, workers, live, registered, active_requests,
+                               lasting)
 
         return await self._call(read(), timeout)
 

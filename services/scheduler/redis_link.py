@@ -69,7 +69,7 @@ class RedisWritesRefused(RedisError):
 
 class RedisRestarted(Exception):
     """Redis is another server than the one the pool was loaded from (a new run_id): it may have
-    lost its last writes, acknowledged or not (README, "fsync policy")."""
+    lost its last writes, acknowledged or not (docs/operations.md, "fsync policy")."""
 
     def __init__(self, was: str, run_id: str) -> None:
         super().__init__(f"Redis restarted: run_id {run_id}, was {was}")

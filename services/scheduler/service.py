@@ -53,7 +53,7 @@ from services.scheduler.redis_link import (
 from shared import keys
 from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo
-from shared.model_file import load_metadata
+from shared.model_file import load_metadata, serving_config
 from shared.plans import ResultColumns, encode_plan, read_result, read_result_columns
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.startup_heap import freeze_startup_heap
@@ -62,6 +62,7 @@ from shared.wire import WireError, encode, encode_row
 
 log = logging.getLogger("iterserve.scheduler")
 
+COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens")  # kept in Redis across restarts
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
 PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
@@ -121,6 +122,7 @@ class SchedulerService:
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
         self._published_counts: tuple[int, int] | None = None
+        self._counted = dict.fromkeys(COUNTERS, 0)  # the counters as last added to Redis's totals
 
     # Running
 
@@ -364,6 +366,13 @@ class SchedulerService:
         )
         self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
+        # The counters that outlive this process (vLLM's prefix-cache counters, read by /metrics):
+        # what was counted since the last heartbeat, added to Redis's totals.
+        for name in COUNTERS:
+            counted = getattr(self.policy, name)
+            if counted != self._counted[name]:
+                self.link.queue("hincrby", self.link.keys.counters, name, counted - self._counted[name])
+                self._counted[name] = counted
 
 
 async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = None) -> None:
@@ -377,9 +386,10 @@ async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = N
                 loop.add_signal_handler(signal_number, stop_event.set)
                 installed.append(signal_number)
     metadata = load_metadata(settings.model)
-    tokenizer = Tokenizer.load(settings.model)
+    tokenizer = Tokenizer.for_serving(settings.model, settings.tokenizer, settings.chat_template)
     redis = connect(settings.redis_url)
-    service = SchedulerService(settings, redis, tokenizer, metadata.config.context_length)
+    service = SchedulerService(settings, redis, tokenizer,
+                               serving_config(metadata.config, settings.max_model_len).context_length)
     freeze_startup_heap("scheduler")
     try:
         await service.run(stop_event)

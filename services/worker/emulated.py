@@ -127,10 +127,10 @@ class EmulatedEngine(RequestRows):
 
     @classmethod
     def from_settings(cls, settings: "Settings") -> "EmulatedEngine":
-        from shared.model_file import load_metadata
+        from shared.model_file import load_metadata, serving_config
 
         profile = load_profile(settings.hardware)
-        config = load_metadata(settings.model).config
+        config = serving_config(load_metadata(settings.model).config, settings.max_model_len)
         blocks = (profile.kv_blocks(settings.kv_block_size, settings.kv_memory_fraction)
                   if settings.kv_memory_fraction > 0 else settings.kv_blocks)
         engine = cls(profile, blocks, settings.kv_block_size, settings.max_batch_size, config.vocab_size,

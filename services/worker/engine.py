@@ -40,7 +40,7 @@ from services.worker.sampling_table import SamplingTable
 from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
 from services.worker.staging import Staging
 from services.worker.token_history import TokenHistory
-from shared.model_file import ModelConfig
+from shared.model_file import ModelConfig, serving_config
 
 if TYPE_CHECKING:  # the engine imports only torch and numpy: it runs where the service's packages are not
     from shared.config import Settings
@@ -68,11 +68,20 @@ def pick_dtype(name: str, device: torch.device, stored: str = "") -> torch.dtype
 
 def free_memory_bytes(device: torch.device) -> int:
     """Memory the KV pool may take a fraction of: free GPU memory, or available RAM."""
+    return memory_bytes(device)[0]
+
+
+def memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) memory of the device: the GPU's, or the machine's (available, total RAM)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)
     with open("/proc/meminfo") as meminfo:
         fields = dict(line.split(":", 1) for line in meminfo)
-    return int(fields["MemAvailable"].split()[0]) * 1024
+    return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+
+
+class KVPoolTooSmall(ValueError):
+    """The memory the settings give the KV pool holds not one block (a setting that can never work)."""
 
 
 # Defaults of an engine made directly (tests, benchmarks); a service's come from its Settings.
@@ -135,10 +144,12 @@ class Engine(RequestRows):
 
         started = time.perf_counter()
         metadata = load_metadata(settings.model)
+        config = serving_config(metadata.config, settings.max_model_len)
         device = pick_device(settings.device)
         dtype = pick_dtype(settings.dtype, device, metadata.stored_dtype)
-        graphs = settings.cuda_graphs and device.type == "cuda"
-        if settings.cuda_graphs and not graphs:
+        graphs = settings.cuda_graphs and device.type == "cuda" and not settings.enforce_eager
+        compile = settings.compile and not settings.enforce_eager
+        if settings.cuda_graphs and device.type != "cuda":
             log.warning("event=cuda_graphs_ignored device=%s reason=not_cuda", device)
         # The decode workspace (a second, contiguous copy of the decoding requests' KV) pays on the
         # CPU, where gathering from the pool is slow; on CUDA it would commit gigabytes: the pool only.
@@ -146,16 +157,16 @@ class Engine(RequestRows):
         if settings.group_size > 1:  # one rank of a worker group (services/worker/group.py)
             from services.worker.parallel import Layout, ParallelLlama
 
-            model = ParallelLlama(metadata.config, load_weights(metadata), device, dtype,
+            model = ParallelLlama(config, load_weights(metadata), device, dtype,
                                   Layout(settings.tensor_parallel, settings.pipeline_parallel))
         else:
-            model = Llama(metadata.config, load_weights(metadata), device, dtype, compile=settings.compile)
+            model = Llama(config, load_weights(metadata), device, dtype, compile=compile)
         # model.config: this rank's heads and layers in a group, so its KV pool holds only those
         engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
-        log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d compile=%s cuda_graphs=%s seconds=%.2f",
-                 metadata.name, device, dtype, engine.kv_cache.blocks_total, settings.compile, graphs,
-                 time.perf_counter() - started)
+        log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d context=%d compile=%s cuda_graphs=%s "
+                 "seconds=%.2f", metadata.name, device, dtype, engine.kv_cache.blocks_total, config.context_length,
+                 compile, graphs, time.perf_counter() - started)
         return engine
 
     @property
@@ -166,11 +177,21 @@ class Engine(RequestRows):
 
     @staticmethod
     def kv_blocks_in(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype) -> int:
-        """The pool's blocks: kv_blocks, or kv_memory_fraction of the device's free memory."""
-        if settings.kv_memory_fraction <= 0:
-            return settings.kv_blocks
+        """The pool's blocks: kv_blocks; or kv_memory_fraction of the device's free memory; or, with
+        gpu_memory_utilization (vLLM's meaning), what is left of that share of the device's whole
+        memory once the weights are loaded (ValueError when they leave nothing)."""
         bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
                            * torch.finfo(dtype).bits // 8)
+        if settings.gpu_memory_utilization > 0:
+            free, total = memory_bytes(device)
+            room = int(settings.gpu_memory_utilization * total) - (total - free)
+            if room < bytes_per_block:
+                raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: {total - free} of "
+                                 f"{total} bytes of {device} are in use already (the weights and whatever else): no "
+                                 f"room for a KV block of {bytes_per_block} bytes")
+            return room // bytes_per_block
+        if settings.kv_memory_fraction <= 0:
+            return settings.kv_blocks
         return max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
 
     @classmethod
@@ -181,7 +202,8 @@ class Engine(RequestRows):
 
         metadata = load_metadata(settings.model)
         device = pick_device(settings.device)
-        config = rank_config(metadata.config, Layout(settings.tensor_parallel, settings.pipeline_parallel), 0)
+        config = rank_config(serving_config(metadata.config, settings.max_model_len),
+                             Layout(settings.tensor_parallel, settings.pipeline_parallel), 0)
         return cls.kv_blocks_in(config, settings, device, pick_dtype(settings.dtype, device, metadata.stored_dtype))
 
     @classmethod

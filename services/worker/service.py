@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
-from services.worker.engine import Engine
+from services.worker.engine import Engine, KVPoolTooSmall
 from services.worker.token_writer import STALE, WRITE_SCRIPT, TokenWriter, Write
 from services.worker.rows import ItemRefusal, StepOutcome
 from services.worker.kv_cache import CacheMismatch
@@ -122,7 +122,8 @@ class Worker:
         served = served_models(settings)[0]  # a worker serves one model, in its model's pool of keys
         self.model_name, self.keys = served.name, served.keys
         self.weights_sha256 = weights_sha256(load_metadata(settings.model))
-        self.token_writer = TokenWriter(Tokenizer.load(settings.model))  # the token entries it writes
+        self.token_writer = TokenWriter(  # the token entries it writes
+            Tokenizer.for_serving(settings.model, settings.tokenizer, settings.chat_template))
         keys_tensor = getattr(engine.kv_cache, "keys", None)
         self.kv_dtype = "emulated" if keys_tensor is None else str(keys_tensor.dtype).removeprefix("torch.")
 
@@ -535,6 +536,8 @@ def make_engine(settings: Settings):
         return Engine.from_settings(settings)
     except ModelFileError as error:  # found only once the weights are opened (a tensor missing)
         log.error("event=bad_model error=%s", error)
+        raise configuration_error(f"iterserve worker: {error}") from None
+    except KVPoolTooSmall as error:
         raise configuration_error(f"iterserve worker: {error}") from None
 
 

@@ -39,7 +39,7 @@ from shared.wire import encode_plain_token_events
 # last. (EVAL with the script's text: a restarted Redis has no script cache.)
 # First of all, KEYS[2] (ModelKeys.incarnation) must hold the plan's scheduler epoch (ARGV[4]) and
 # this Redis server's run_id: if not, nothing is written and the reply is STALE. A Redis restarted
-# may have lost its last writes (appendfsync everysec: README, "fsync policy"), and an entry written
+# may have lost its last writes (appendfsync everysec: docs/operations.md, "fsync policy"), and an entry written
 # from memory after them would leave a gap in its stream; so no entry lands until the scheduler has
 # seen the restart and loaded the pool from what Redis kept, under a new epoch. (A plan's result is
 # not needed then: the scheduler ignores any of an older epoch.)
