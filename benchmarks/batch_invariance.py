@@ -148,7 +148,8 @@ def main() -> None:
                          {request_id: rng.randrange(1, args.tokens) for request_id in measured})
     compare(f"batch of {len(measured)}, each rebuilt once mid-way", rebuilt)
 
-    lines = [f"Command: `.venv/bin/python benchmarks/batch_invariance.py --requests {args.requests} "
+    lines = ["# Seeded and greedy outputs across batches and a rebuild (executor: engine, SmolLM2-135M on the CPU)", "",
+             f"Command: `.venv/bin/python benchmarks/batch_invariance.py --requests {args.requests} "
              f"--tokens {args.tokens} --threads {args.threads}` ({platform.processor() or platform.machine()}, "
              f"{time.time() - started:.0f} s).",
              f"{args.requests} requests (prompts of 16-160 tokens of real text), {args.tokens} output tokens each, "
@@ -163,7 +164,7 @@ def main() -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "batch_invariance.md").write_text(text + "\n")
-    (args.out / "batch_invariance.json").write_text(json.dumps({"rows": rows, "args": vars(args) | {"out": str(args.out)}},
+    (args.out / "batch_invariance.json").write_text(json.dumps({"executor": "engine", "rows": rows, "args": vars(args) | {"out": str(args.out)}},
                                                                indent=2) + "\n")
 
 

@@ -139,7 +139,7 @@ def main() -> None:
                  for system in names if (system, batch) in results]
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, float32"
-    lines = [f"# Engine throughput ({machine})", "",
+    lines = [f"# Engine throughput (executor: engine, SmolLM2-135M; {machine})", "",
              f"Command: `.venv/bin/python benchmarks/engine.py --threads {args.threads} --decode-steps {args.decode_steps} "
              f"--rounds {args.rounds}`",
              f"Each system's best of {args.rounds} rounds, the systems taking turns. Load average (1 min) at the start "
@@ -160,7 +160,7 @@ def main() -> None:
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.md").write_text(table)
-    (RESULTS / "engine.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    (RESULTS / "engine.json").write_text(json.dumps({"executor": "engine", "machine": machine, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

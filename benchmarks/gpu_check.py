@@ -474,7 +474,7 @@ def main() -> None:
     started = time.time()
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'CPU'}"
           f"{' (quick sizes: no GPU)' if quick else ''}", flush=True)
-    report = {"device": str(device), "torch": torch.__version__, "checks": checks(device, quick),
+    report = {"executor": "engine", "device": str(device), "torch": torch.__version__, "checks": checks(device, quick),
               "benchmark": benchmark(device, quick), "seconds": round(time.time() - started, 1)}
     out = args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
                        Path(__file__).resolve().parent / "results" / f"gpu_check{'_cpu' if quick else ''}.json")

@@ -67,8 +67,8 @@ def main() -> None:
     report = {"command": " ".join(["benchmarks/pipeline_stages.py", *sys.argv[1:]]),
               "seconds": round(time.time() - started), "ratios": ratios, "runs": runs}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pipeline_stages.json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = ["# Pipeline-parallel stages overlapping", "",
+    (RESULTS / "pipeline_stages.json").write_text(json.dumps({"executor": "engine", **report}, indent=1) + "\n")
+    lines = ["# Pipeline-parallel stages overlapping (executor: engine, SmolLM2-135M on the CPU)", "",
              f"`.venv/bin/python {report['command']}` ({report['seconds']} s, CPU, 2 cores, SmolLM2-135M, "
              f"{args.requests} chat requests of 16-64 prompt and 48-96 output tokens, 16 clients; back to back)",
              "", "| ratio | value |", "|---|---|"]

@@ -17,8 +17,10 @@ and model), driven by `iterserve bench` with the same seeded workload:
    other does not have to (--only-pressured --rounds N: only these, N pairs per size, written to
    prefix_cache_pressured.{json,md});
 4. system-prompt, one worker: caching on against off;
-5. (--by-turns L1,L2,...: only these) the two-worker pair on conversations of each length, about
-   conversations x turns turns in all per run, written to prefix_cache_turns.{json,md}.
+5. (--by-turns L1,L2,...: only these) the placement pairs (--workers 2,4: of each fleet) on
+   conversations of each length, about conversations x turns turns in all per run, beside the same
+   conversations on one worker (the most any placement reaches), written to
+   prefix_cache_placement.{json,md}.
 Writes benchmarks/results/prefix_cache.json and .md (the ratios first). This machine is shared
 and noisy: the ratios are what to read, each pair measured back to back.
 """
@@ -132,7 +134,8 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
                     for placement in PLACEMENTS}
             runs.append({"round": round_index + 1, "kv_blocks": blocks, **pair})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
-    lines = ["# Cache-aware against least-loaded placement with small KV pools", "",
+    lines = ["# Cache-aware against least-loaded placement with small KV pools (executor: engine, SmolLM2-135M on "
+             "the CPU)", "",
              f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, CPU, SmolLM2-135M, 2 workers, "
              f"{workload.describe()}, {conversations} conversations at concurrency 8; load gap: the largest difference "
              f"in running requests between the workers, sampled every 0.2 s, against --placement-slack {SLACK})", "",
@@ -149,48 +152,49 @@ def write_pressured(pools: list[int], rounds: int, workload: WorkloadConfig, con
         ttfts = mean("cache-aware", "ttft_later_turns_p50_ms"), mean("least-loaded", "ttft_later_turns_p50_ms")
         lines.append(f"| {blocks} | mean of {len(pairs)} | {100 * hits[0]:.1f}% / {100 * hits[1]:.1f}% | "
                      f"{hits[0] / hits[1]:.2f}x | {ttfts[0]:.0f} / {ttfts[1]:.0f} | {ttfts[1] / ttfts[0]:.2f}x | - |")
-    save("prefix_cache_pressured", {"command": command, "runs": runs}, lines)
+    save("prefix_cache_pressured", {"executor": "engine", "command": command, "runs": runs}, lines)
 
 
 def write_turns(turn_counts: list[int], requests: int, started: float, think_time: float = THINK_TIME,
-                concurrency: int = CONCURRENCY) -> None:
+                concurrency: int = CONCURRENCY, fleets: tuple[int, ...] = (2,)) -> None:
     """The two placements (default KV pools) on conversations of each length, pair after pair, with
     about `requests` turns in all each: how the hit-rate ratio depends on how long conversations are.
     Then the same conversations on one worker: every turn goes where its history is, so its hit
     rate is the most any placement of two workers can reach while the pools hold every history
     (the default pools do), and that over least-loaded's is the largest hit-rate ratio possible.
-    Other think times or concurrencies write prefix_cache_turns_think<S>s_c<N>: longer pauses, as people
-    take them (with more conversations at once to keep the load), test whether least-loaded's hits are
-    more than chance's (benchmarks/placement_ceiling.py)."""
+    Longer think times (with more conversations at once to keep the load) test whether least-loaded's hits are
+    more than chance's (benchmarks/placement_ceiling.py). fleets: the worker counts of the pairs."""
     runs = []
     for turns in turn_counts:
         conversations = max(1, requests // turns)
         workload = multiturn_workload(turns, think_time)
-        pair = {placement: run(f"multiturn, {turns} turns, 2 workers, {placement}", 2, ("--placement", placement),
-                               workload, conversations, concurrency)
-                for placement in PLACEMENTS}
-        pair["one worker"] = run(f"multiturn, {turns} turns, 1 worker, prefix caching", 1, (), workload,
-                                 conversations, concurrency)
-        runs.append({"turns": turns, "conversations": conversations, **pair})
+        bound = run(f"multiturn, {turns} turns, 1 worker, prefix caching", 1, (), workload, conversations,
+                    concurrency)
+        for workers in fleets:
+            pair = {placement: run(f"multiturn, {turns} turns, {workers} workers, {placement}", workers,
+                                   ("--placement", placement), workload, conversations, concurrency)
+                    for placement in PLACEMENTS}
+            runs.append({"turns": turns, "workers": workers, "conversations": conversations, **pair,
+                         "one worker": bound})
     command = " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]])
     workload = multiturn_workload(1, think_time)
-    lines = ["# Cache-aware against least-loaded placement by conversation length", "",
-             f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, CPU, SmolLM2-135M, 2 workers, default KV "
+    lines = ["# Cache-aware against least-loaded placement by conversation length (executor: engine, SmolLM2-135M "
+             "on the CPU)", "",
+             f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, executor: engine (SmolLM2-135M on the "
+             f"CPU), {'/'.join(map(str, fleets))} workers, default KV "
              f"pools; each turn a new user message of {workload.input_range[0]}-{workload.input_range[1]} tokens after "
              f"{workload.think_time:g} s mean think time, answers of {workload.output_range[0]}-"
              f"{workload.output_range[1]} tokens; about {requests} turns in all per run, {concurrency} conversations "
              f"at a time; load gap: the largest difference in running requests between the workers, sampled every "
              f"0.2 s, against --placement-slack {SLACK})", "",
-             "| turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 turns "
-             "2+ ms cache-aware / least-loaded | ratio (lower) | load gap | hit rate on one worker (the most any "
-             "placement reaches) | its ratio over least-loaded (the largest possible) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {pair['turns']} | {pair['conversations']} | {pair_cells(pair)} "
+             "| workers | turns per conversation | conversations | hit rate cache-aware / least-loaded | ratio | TTFT p50 "
+             "turns 2+ ms cache-aware / least-loaded | ratio (lower) | load gap | hit rate on one worker (the most any "
+             "placement reaches) | cache-aware's distance from it (points) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {pair['workers']} | {pair['turns']} | {pair['conversations']} | {pair_cells(pair)} "
               f"{100 * pair['one worker']['hit_rate']:.1f}% | "
-              f"{ratio(pair['one worker']['hit_rate'], pair['least-loaded']['hit_rate']) or 0:.2f}x |" for pair in runs]
-    stem = "prefix_cache_turns" if (think_time, concurrency) == (THINK_TIME, CONCURRENCY) else \
-        f"prefix_cache_turns_think{think_time:g}s_c{concurrency}"
-    save(stem, {"command": command, "think_time": think_time, "concurrency": concurrency, "runs": runs}, lines)
+              f"{100 * (pair['one worker']['hit_rate'] - pair['cache-aware']['hit_rate']):.1f} |" for pair in runs]
+    save("prefix_cache_placement", {"executor": "engine", "command": command, "think_time": think_time, "concurrency": concurrency, "runs": runs}, lines)
 
 
 def multiturn_workload(turns: int, think_time: float = THINK_TIME) -> WorkloadConfig:
@@ -211,15 +215,16 @@ def main() -> None:
                              "prefix_cache_pressured.{json,md}")
     parser.add_argument("--rounds", type=int, default=1, help="--only-pressured: pairs per pool size")
     parser.add_argument("--by-turns", default="",
-                        help="only the two-worker pair on conversations of these lengths (e.g. 2,3,4,8), about 64 "
-                             "turns in all per run, written to prefix_cache_turns.{json,md} (other --think-time or "
-                             "--concurrency: prefix_cache_turns_think<S>s_c<N>)")
+                        help="only the placement pairs on conversations of these lengths (e.g. 2,4,8), about 64 "
+                             "turns in all per run, written to prefix_cache_placement.{json,md}")
     parser.add_argument("--think-time", type=float, default=THINK_TIME,
                         help=f"--by-turns: mean seconds a user pauses between an answer and the next turn "
                              f"(default {THINK_TIME:g})")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
                         help=f"--by-turns: conversations at a time (default {CONCURRENCY}; more keep the load with "
                              f"longer pauses)")
+    parser.add_argument("--workers", default="2,4",
+                        help="--by-turns: the worker counts of the placement pairs (default 2,4)")
     parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 8 users (a smoke run)")
     args = parser.parse_args()
     if not args.by_turns and (args.think_time, args.concurrency) != (THINK_TIME, CONCURRENCY):
@@ -235,7 +240,7 @@ def main() -> None:
         return
     if args.by_turns:
         write_turns([int(turns) for turns in args.by_turns.split(",")], args.conversations * args.turns, started,
-                    args.think_time, args.concurrency)
+                    args.think_time, args.concurrency, tuple(int(count) for count in args.workers.split(",")))
         return
     runs = {}
     for blocks in pools:
@@ -275,9 +280,10 @@ def main() -> None:
         "system_prompt_ttft_uncached_over_cached": ratio(runs["system_prompt_uncached"]["ttft_p50_ms"],
                                                          runs["system_prompt_cached"]["ttft_p50_ms"]),
     }
-    report = {"command": " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]]),
+    report = {"executor": "engine", "command": " ".join(["benchmarks/prefix_cache.py", *sys.argv[1:]]),
               "seconds": round(time.time() - started), "placement_slack": SLACK, "ratios": ratios, "runs": runs}
-    lines = ["# Prefix caching and cache-aware placement", "", f"`.venv/bin/python {report['command']}` "
+    lines = ["# Prefix caching and cache-aware placement (executor: engine, SmolLM2-135M on the CPU)", "",
+             f"`.venv/bin/python {report['command']}` "
              f"({report['seconds']} s, CPU, SmolLM2-135M; ratios from back-to-back runs of the same seeded workload)",
              "", "| ratio | value |", "|---|---|"]
     lines += [f"| {name} | {value:.2f} |" if value else f"| {name} | - |" for name, value in ratios.items()]

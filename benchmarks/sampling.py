@@ -102,6 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = max(args.batch_sizes)
     logits = real_logits(rows) if args.real else stand_in_logits(rows, VOCAB)
+    print("# The batched sampler against the per-row one it replaced (executor: none, the sampler alone on "
+          f"{'SmolLM2-135M logits' if args.real else 'stand-in logits'})\n")
     print(f"logits: {'SmolLM2-135M, last prompt token' if args.real else 'stand-in'} [{rows}, {logits.shape[1]}]; "
           f"0.95-nucleus sizes at temperature 1: {quantiles(nucleus_sizes(logits))}; "
           f"at 0.8: {quantiles(nucleus_sizes(logits / 0.8))}")

@@ -64,7 +64,8 @@ from services.worker.token_writer import TokenWriter  # noqa: E402
 from shared import cache_digest, keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.messages import RequestRecord, SamplingParams  # noqa: E402
-from shared.plans import PlanReader, StepAnswers, encode_plan, read_result, read_result_columns  # noqa: E402
+from services.worker.plan_reader import PlanReader, StepAnswers  # noqa: E402
+from shared.plans import encode_plan, read_result, read_result_columns  # noqa: E402
 from shared.redis_connection import connect  # noqa: E402
 from shared.redis_exchange import encoded  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402

@@ -132,7 +132,8 @@ def main() -> None:
             print(f"{key} output tok/s at {shown}: " + " / ".join(f"{levels[c]['tok_s']:.1f}" for c in levels_run))
         print("\n".join(map(sampled_over_greedy, dtypes)))
         return
-    lines = [f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
+    lines = ["# iterserve against llama.cpp's llama-server on the same cores (executor: engine, SmolLM2-135M)", "",
+             f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
              "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker).",
@@ -152,7 +153,7 @@ def main() -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "vs_llama_server.md").write_text(text + "\n")
-    (args.out / "vs_llama_server.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "vs_llama_server.json").write_text(json.dumps({"executor": "engine", **results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

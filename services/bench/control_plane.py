@@ -301,7 +301,9 @@ def markdown(report: dict) -> str:
         f"`iterserve bench experiments control-plane{' --quick' if report['quick'] else ''}` on "
         f"{report['machine'].get('cores', '?')} cores, {report['date']}. Every worker is "
         "`--executor emulated --hardware PROFILE`: real gateway, Redis, scheduler and worker processes; the step "
-        "takes the time the profile's roofline gives (no model runs). The pool holds "
+        "takes the time the profile's roofline gives (no model runs; the profiles assume a memory efficiency "
+        "of 0.77, from a published vLLM decode, where the one measured fit, Llama-3.2-1B's shape on an H200, gave "
+        "0.20: benchmarks/results/measured-nvidia-h200-llama3.2-1b.json). The pool holds "
         f"{report['sizes']['requests_per_worker']} active requests per worker ({report['sizes']['prompt_tokens']}-token "
         f"prompts, {report['sizes']['output_tokens']} output tokens), max batch {report['sizes']['max_batch_size']}, "
         f"{report['sizes']['pipeline_depth']} plans in flight per worker (`--pipeline-depth`), "
@@ -385,7 +387,7 @@ async def run(sizes: Sizes, out_dir: Path, seed: int, http: bool = True, quick: 
         report["http"] = await http_case(sizes, seed)
     report["minutes"] = (time.monotonic() - started) / 60
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "control_plane.json").write_text(json.dumps(finite(report), indent=1))
+    (out_dir / "control_plane.json").write_text(json.dumps({"executor": "emulated", **finite(report)}, indent=1))
     (out_dir / "control_plane.md").write_text(markdown(report))
     return report
 

@@ -42,8 +42,6 @@ from services.bench.workloads import BenchRequest, PromptSource, WorkloadConfig,
 from shared.tokenizer import Tokenizer
 
 RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "README.md"
-README_START, README_END = "<!-- bench:headline:start -->", "<!-- bench:headline:end -->"
 REPLAY_TIMEOUT_SECONDS = 1200
 SATURATED = 0.8  # a run that served less than this share of its offered rate was saturated
 # Experiment 1's systems: curve name -> (policy, more `iterserve up` options). "request" is Orca's baseline.
@@ -93,8 +91,8 @@ def log(message: str) -> None:
 
 
 class Experiments:
-    def __init__(self, sizes: Sizes, out_dir: Path, seed: int, update_readme: bool) -> None:
-        self.sizes, self.out_dir, self.seed, self.update_readme = sizes, out_dir, seed, update_readme
+    def __init__(self, sizes: Sizes, out_dir: Path, seed: int) -> None:
+        self.sizes, self.out_dir, self.seed = sizes, out_dir, seed
         self.tokenizer = Tokenizer.load()
         self.source = PromptSource(self.tokenizer)
         self.results: dict = {
@@ -254,11 +252,9 @@ class Experiments:
         self.results["elapsed_s"] = time.monotonic() - self.started
         self.results["load_average_at_end"] = _load_average()
         (self.out_dir / "experiments.json").write_text(
-            json.dumps(finite(self.results), indent=1, default=str, allow_nan=False) + "\n")
+            json.dumps({"executor": "engine", **finite(self.results)}, indent=1, default=str, allow_nan=False) + "\n")
         report = render(self.results, self.out_dir)
         (self.out_dir / "experiments.md").write_text(report)
-        if self.update_readme and "scaling" in self.results and "engine_alone" in self.results.get("overhead", {}):
-            update_readme(self.results, self.out_dir)
 
 
 def _load_average() -> float | None:
@@ -356,7 +352,7 @@ def machine_line(results: dict) -> str:
 
 def render(results: dict, out_dir: Path) -> str:
     sizes = results["sizes"]
-    lines = [f"# iterserve experiments ({sizes['name']})", "",
+    lines = [f"# iterserve experiments ({sizes['name']}; executor: engine, SmolLM2-135M on the CPU)", "",
              f"Machine: {machine_line(results)}. Model: SmolLM2-135M-Instruct, float32 on CPU.", "",
              f"Command: `{results['command']}`. Workload: {sizes['workload']}, forced output lengths "
              f"(`max_tokens` + `ignore_eos`), seed {results['seed']}. {sizes['note']}", "",
@@ -552,32 +548,6 @@ def render_cancellation(results: dict, out_dir: Path) -> list[str]:
     return lines + [""]
 
 
-def update_readme(results: dict, out_dir: Path) -> None:
-    """Replace the README's headline block (between its markers) with this run's plot and table."""
-    if not README.exists():
-        return
-    text = README.read_text()
-    if README_START not in text or README_END not in text:
-        log("README has no headline markers: not updated")
-        return
-    relative = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir
-    curves = results.get("orca_vs_request", {})
-    block = [README_START, "",
-             f"Measured on {machine_line(results)} with `{results['command']}` "
-             f"({results['sizes']['workload']}); all results in [{relative}/experiments.md]({relative}/experiments.md).", ""]
-    if (out_dir / "orca_vs_request.png").exists():
-        block += [f"![median normalized latency against throughput]({relative}/orca_vs_request.png)", ""]
-    block += orca_table(curves)
-    for baseline, best in (results.get("orca_headline") or {}).items():
-        block += ["", f"Throughput at equal median normalized latency ({best['latency_ms']:.0f} ms/token, `{baseline}`'s "
-                      f"most loaded point): iteration / {baseline} = {'≥ ' if best['lower_bound'] else ''}"
-                      f"**{best['ratio']:.2f}x**."]
-    block += ["", README_END]
-    start, end = text.index(README_START), text.index(README_END) + len(README_END)
-    README.write_text(text[:start] + "\n".join(block) + text[end:])
-    log("README headline updated")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "control-plane":
@@ -596,7 +566,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, or .../quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--saturation-requests", type=int, help="override the size of the saturation runs")
-    parser.add_argument("--no-readme", action="store_true", help="do not update README's headline block")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.saturation_requests:
@@ -604,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = (args.out or (RESULTS / "quick" if args.quick else RESULTS)).resolve()
     # SIGTERM unwinds like Ctrl-C, so every system started so far is stopped and reaped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    experiments = Experiments(sizes, out_dir, args.seed, update_readme=not args.quick and not args.no_readme)
+    experiments = Experiments(sizes, out_dir, args.seed)
     experiments.run()
     log(f"done in {(time.monotonic() - experiments.started) / 60:.1f} min: {out_dir}/experiments.md")
     print((out_dir / "experiments.md").read_text())
