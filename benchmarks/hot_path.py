@@ -10,7 +10,7 @@
     .venv/bin/python benchmarks/hot_path.py [--threads 2]
 
 Runs against whatever engine the checkout has: run it in a worktree of an older commit to get the
-numbers before a change (the README's table was made so, side by side).
+numbers before a change (side by side, as every table in docs/benchmarks.md was made).
 """
 
 import argparse

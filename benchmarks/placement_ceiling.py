@@ -10,7 +10,7 @@ samples from), and the chat template's system message (one block) cached on both
 "Where its history is" puts every turn on one worker; "by chance" puts each turn on either worker
 with probability 1/2, which is what least-loaded does when the load a turn meets does not depend on
 where its conversation ran (its measured hit rates match this one's within run-to-run noise:
-README, prefix caching).
+docs/benchmarks.md, prefix caching and placement).
 
     .venv/bin/python benchmarks/placement_ceiling.py [--turns 2,3,4,8]
 

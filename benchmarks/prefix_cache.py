@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.bench.runner import BenchConfig, run_benchmark  # noqa: E402
+from services.bench.runner import BenchConfig, machine_info, run_benchmark  # noqa: E402
 from services.bench.server import ServerProcess  # noqa: E402
 from services.bench.workloads import WorkloadConfig  # noqa: E402
 
@@ -180,8 +180,9 @@ def write_turns(turn_counts: list[int], requests: int, started: float, think_tim
     workload = multiturn_workload(1, think_time)
     lines = ["# Cache-aware against least-loaded placement by conversation length (executor: engine, SmolLM2-135M "
              "on the CPU)", "",
-             f"`.venv/bin/python {command}` ({time.time() - started:.0f} s, executor: engine (SmolLM2-135M on the "
-             f"CPU), {'/'.join(map(str, fleets))} workers, default KV "
+             f"`.venv/bin/python {command}` ({time.time() - started:.0f} s on {machine_info()['cpu']}, "
+             f"{machine_info()['cores']} cores, executor: engine (SmolLM2-135M on the CPU), "
+             f"{'/'.join(map(str, fleets))} workers, default KV "
              f"pools; each turn a new user message of {workload.input_range[0]}-{workload.input_range[1]} tokens after "
              f"{workload.think_time:g} s mean think time, answers of {workload.output_range[0]}-"
              f"{workload.output_range[1]} tokens; about {requests} turns in all per run, {concurrency} conversations "
@@ -194,7 +195,11 @@ def write_turns(turn_counts: list[int], requests: int, started: float, think_tim
     lines += [f"| {pair['workers']} | {pair['turns']} | {pair['conversations']} | {pair_cells(pair)} "
               f"{100 * pair['one worker']['hit_rate']:.1f}% | "
               f"{100 * (pair['one worker']['hit_rate'] - pair['cache-aware']['hit_rate']):.1f} |" for pair in runs]
-    save("prefix_cache_placement", {"executor": "engine", "command": command, "think_time": think_time, "concurrency": concurrency, "runs": runs}, lines)
+    # (other think times or concurrencies are other experiments: they do not replace this one's file)
+    stem = "prefix_cache_placement" if (think_time, concurrency) == (THINK_TIME, CONCURRENCY) else \
+        f"prefix_cache_placement_think{think_time:g}s_c{concurrency}"
+    save(stem, {"executor": "engine", "command": command, "think_time": think_time, "concurrency": concurrency,
+                "runs": runs}, lines)
 
 
 def multiturn_workload(turns: int, think_time: float = THINK_TIME) -> WorkloadConfig:

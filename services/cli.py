@@ -146,8 +146,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if getattr(args, "api_key", None):  # --api-key adds to the keys --api-keys gives
         values["api_keys"] = ",".join(filter(None, [values.get("api_keys") or "", *args.api_key]))
     config = config_file_values(args.config) if getattr(args, "config", None) else {}
-    if "api_keys" in config and values.get("api_keys"):
-        values["api_keys"] = ",".join([config.pop("api_keys"), values["api_keys"]])
     return Settings.from_env(**(config | {field: value for field, value in values.items() if value is not None}))
 
 
@@ -165,7 +163,7 @@ def config_file_values(path: str) -> dict[str, object]:
         raise ValueError(f"--config {path}: not a mapping of options to values")
     by_option = {option: (field, kind) for option, (field, kind, _) in SERVICE_OPTIONS.items()}
     by_option |= {option: (field, kind) for options, (field, kind, _) in VLLM_OPTIONS.items() for option in options}
-    by_option |= {"--enable-prefix-caching": ("prefix_caching", bool), "--api-key": ("api_keys", "list"),
+    by_option |= {"--enable-prefix-caching": ("prefix_caching", bool), "--api-key": ("api_key", "list"),
                   "--no-enable-prefix-caching": ("prefix_caching", "off")}
     values: dict[str, object] = {}
     for key, value in raw.items():
@@ -177,7 +175,9 @@ def config_file_values(path: str) -> dict[str, object]:
             value = not value
         if isinstance(value, list):
             value = ",".join(str(item) for item in value)
-        values[field] = value
+        values[field] = str(value) if field in ("api_key", "api_keys") else value
+    if "api_key" in values:  # api-key adds to the file's api-keys, as on the command line
+        values["api_keys"] = ",".join(filter(None, [values.get("api_keys", ""), values.pop("api_key")]))
     return values
 
 
@@ -240,19 +240,22 @@ def require_model(settings: Settings, command: str, parser: argparse.ArgumentPar
             if settings.max_model_len > context:
                 parser.exit(2, f"{parser.prog}: error: --max-model-len {settings.max_model_len} exceeds the context "
                                f"length of {served.name} ({context})\n")
-    try:
-        if settings.tokenizer:
-            from shared.model_file import load_metadata
+    if settings.tokenizer:
+        from shared.model_file import load_metadata
 
+        try:
             load_metadata(settings.tokenizer)
-        if settings.chat_template:
-            from shared.tokenizer import compile_chat_template, read_chat_template
+        except (ModelFileError, OSError, ValueError) as error:
+            parser.exit(2, f"{parser.prog}: error: --tokenizer {settings.tokenizer}: {error}\n")
+    if settings.chat_template:
+        from shared.tokenizer import compile_chat_template, read_chat_template
 
+        try:
             compile_chat_template(read_chat_template(settings.chat_template))
-    except (ModelFileError, ValueError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    except Exception as error:  # jinja2's TemplateSyntaxError: the template does not compile
-        parser.exit(2, f"{parser.prog}: error: --chat-template: {type(error).__name__}: {error}\n")
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        except Exception as error:  # jinja2's TemplateSyntaxError: the template does not compile
+            parser.exit(2, f"{parser.prog}: error: --chat-template: {type(error).__name__}: {error}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

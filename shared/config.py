@@ -99,7 +99,7 @@ class Settings(BaseModel):
     # Where a waiting request goes: "cache-aware", the worker holding the longest prefix of it when
     # that prefix is at least placement_threshold of the request's tokens, unless that worker runs
     # more than placement_slack requests more than the least loaded one; "least-loaded", the worker
-    # running the fewest requests (services/scheduler/policy.py).
+    # running the fewest requests (services/scheduler/placement.py).
     placement: Literal["cache-aware", "least-loaded"] = "cache-aware"
     placement_slack: int = Field(8, ge=0)
     placement_threshold: float = Field(0.5, ge=0.0, le=1.0)

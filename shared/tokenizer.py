@@ -175,12 +175,14 @@ def _strftime_now(format: str) -> str:
 
 
 def read_chat_template(value: str) -> str:
-    """A chat template given as a file or as the template itself (ValueError when it is neither)."""
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
+    """A chat template given as the template itself or as a file (ValueError when it is neither)."""
     if "{{" in value or "{%" in value:
-        return value
+        return value  # (looked at first: a template is no file name, and may be longer than one can be)
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template {value[:80]!r}: {error.strerror or error}") from None
     raise ValueError(f"--chat-template {value!r}: not a file, nor a template (no {{{{ or {{% in it)")
 
 

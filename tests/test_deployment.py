@@ -155,12 +155,15 @@ def test_a_vllm_serve_command_line_and_a_config_file_give_the_same_settings(tmp_
     assert parsed_settings(["--gpu-memory-utilization", "0.9"]).gpu_memory_utilization == 0.9
     config = tmp_path / "serve.yaml"
     config.write_text("tensor-parallel-size: 2\n--max-num-seqs: 32\nmax_num_batched_tokens: 1024\nblock-size: 32\n"
-                      "max-model-len: 4096\nno-prefix-caching: true\nenforce-eager: true\napi-key: [k1, k2]\n")
-    from_file = parsed_settings(["--config", str(config), "--api-keys", "k0"])
+                      "max-model-len: 4096\nno-prefix-caching: true\nenforce-eager: true\napi-key: [k1, 12345]\n"
+                      "api-keys: k0\n")
+    from_file = parsed_settings(["--config", str(config)])
     assert (from_file.tensor_parallel, from_file.max_batch_size, from_file.max_batch_tokens, from_file.kv_block_size,
             from_file.max_model_len, from_file.prefix_caching, from_file.enforce_eager) == (2, 32, 1024, 32, 4096, False,
                                                                                             True)
-    assert sorted(from_file.api_keys.split(",")) == ["k0", "k1", "k2"]
+    assert from_file.api_keys.split(",") == ["k0", "k1", "12345"], "api-key adds to api-keys in a file too"
+    # Keys on the command line replace the file's (a key can be taken back without editing the file)
+    assert parsed_settings(["--config", str(config), "--api-key", "k9"]).api_keys == "k9"
     # The command line over the file, the file over the environment
     monkeypatch.setenv("ITERSERVE_MAX_BATCH_SIZE", "8")
     monkeypatch.setenv("ITERSERVE_MAX_BATCH_TOKENS", "64")
@@ -170,11 +173,18 @@ def test_a_vllm_serve_command_line_and_a_config_file_give_the_same_settings(tmp_
     config.write_text("max-num-seqs: 4\nspeculative-config: {}\n")
     with pytest.raises(ValueError, match="unknown option 'speculative-config'"):
         parsed_settings(["--config", str(config)])
+    # A template given inline as vLLM takes it, longer than a file name may be (a real one is)
+    from shared.tokenizer import read_chat_template
+
+    inline = "{% for message in messages %}" + "<|turn|>" * 60 + "{{ message['content'] }}{% endfor %}"
+    assert read_chat_template(inline) == inline
     # Through the real command: a bad file or value stops it with exit 2 and the reason
     for argv, said in ((["worker", "--config", str(config)], "unknown option 'speculative-config'"),
                        (["worker", "--max-num-seqs", "0"], "max_batch_size"),
                        (["worker", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the context length"),
                        (["worker", "--chat-template", "/no/such/template"], "not a file, nor a template"),
+                       (["worker", "--chat-template", "x" * 300], "File name too long"),
+                       (["worker", "--tokenizer", "/no/such/model"], "--tokenizer /no/such/model"),
                        (["up", "--gpu-memory-utilization", "0.5", "-tp", "3"], "use kv_memory_fraction with a group")):
         run = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=REPO, capture_output=True, text=True,
                              timeout=120, stdin=subprocess.DEVNULL)
@@ -183,8 +193,9 @@ def test_a_vllm_serve_command_line_and_a_config_file_give_the_same_settings(tmp_
 
 def test_max_model_len_and_gpu_memory_utilization_size_what_a_worker_serves(monkeypatch):
     """--max-model-len cuts the served context (the engine refuses a longer item, its KV rows hold no
-    more); --gpu-memory-utilization (vLLM's meaning) sizes the KV pool from the device's whole memory,
-    less what is in use already, and one that leaves no room for a block is refused."""
+    more); --gpu-memory-utilization (vLLM's meaning) sizes the KV pool from that share of the device's
+    whole memory less the worker's own weights and activations; a share that leaves no room for a
+    block, or more than the device has free, is refused."""
     import torch
 
     from services.worker import engine as engine_module
@@ -196,9 +207,15 @@ def test_max_model_len_and_gpu_memory_utilization_size_what_a_worker_serves(monk
     assert serving_config(TINY_CONFIG, 100).context_length == 100
     assert serving_config(TINY_CONFIG, 0) is TINY_CONFIG and serving_config(TINY_CONFIG, 10_000) is TINY_CONFIG
     gib = 1 << 30
-    monkeypatch.setattr(engine_module, "memory_bytes", lambda device: (6 * gib, 10 * gib))  # 4 GiB in use
+    monkeypatch.setattr(engine_module, "memory_bytes", lambda device: (6 * gib, 10 * gib))  # 4 GiB in use elsewhere
     block = 2 * TINY_CONFIG.n_layers * TINY_CONFIG.n_kv_heads * TINY_CONFIG.head_dim * 16 * 4
     settings = Settings(gpu_memory_utilization=0.5, kv_block_size=16)
-    assert Engine.kv_blocks_in(TINY_CONFIG, settings, torch.device("cpu"), torch.float32) == gib // block
+    own = engine_module.own_bytes(TINY_CONFIG, settings, torch.float32)
+    assert 0 < own < gib
+    # Half the device, less this worker's own weights and activations: not what other processes hold.
+    assert Engine.kv_blocks_in(TINY_CONFIG, settings, torch.device("cpu"), torch.float32) == (5 * gib - own) // block
+    with pytest.raises(KVPoolTooSmall, match="more than cpu has free"):  # 7 GiB wanted, 6 free
+        Engine.kv_blocks_in(TINY_CONFIG, Settings(gpu_memory_utilization=0.7), torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(engine_module, "own_bytes", lambda *args: 4 * gib + 1)
     with pytest.raises(KVPoolTooSmall, match="no room for a KV block"):
         Engine.kv_blocks_in(TINY_CONFIG, Settings(gpu_memory_utilization=0.4), torch.device("cpu"), torch.float32)

@@ -5,7 +5,7 @@ requests in flight, its Redis container restarted mid-run, and brought down leav
 
 Host networking (tests/docker-compose.host.yml, docker-compose.yml's services on loopback): see
 tests/docker_env.py for why, and for the images built locally (no registry here). The timings
-it prints (`figures:`, with -s) go into the README.
+it prints (`figures:`, with -s) go into docs/deployment.md.
 """
 
 import concurrent.futures

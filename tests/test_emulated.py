@@ -60,6 +60,23 @@ def test_h100_llama3_8b_decodes_one_request_in_about_6_to_7_ms():
     assert steps["a100-qwen2.5-32b"] > 25e-3, steps
 
 
+def test_gpu_memory_utilization_sizes_an_emulated_pool_from_the_profiles_device():
+    """vLLM's --gpu-memory-utilization on the profile's device: that share of its memory less the
+    weights, in KV blocks; a share the weights fill is refused."""
+    from services.worker.emulated import EmulatedEngine
+    from shared.config import Settings
+
+    profile = load_profile("a100-llama3-8b")
+    per_block = profile.model.kv_bytes_per_token * 16
+    expected = int((profile.memory_bytes * 0.9 - profile.model.resident_bytes) // per_block)
+    assert profile.kv_blocks_in_share(16, 0.9) == expected > profile.kv_blocks_in_share(16, 0.5) > 0
+    engine = EmulatedEngine.from_settings(Settings(executor="emulated", hardware="a100-llama3-8b",
+                                                   gpu_memory_utilization=0.9, kv_block_size=16))
+    assert engine.kv_cache.blocks_total == expected
+    with pytest.raises(ProfileError, match="no room for a KV block"):
+        profile.kv_blocks_in_share(16, profile.model.resident_bytes / profile.memory_bytes / 2)
+
+
 def test_unknown_and_malformed_profiles_are_clear_errors_that_list_the_known_ones(tmp_path):
     with pytest.raises(ProfileError, match="unknown hardware profile 'h900-nope'.*h100-llama3-8b"):
         load_profile("h900-nope")

@@ -125,7 +125,7 @@ HOST_CLASSES = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MA
 @pytest.mark.parametrize("host_class", sorted(HOST_CLASSES))
 def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transformers_model, tokenizer, host_class):
     """`--dtype bfloat16` (its matmuls run about twice as fast on a CPU with AVX512-BF16) picks
-    transformers' float32 token 72 of 72 times, on both host classes (the README says so), and its
+    transformers' float32 token 72 of 72 times, on both host classes (docs/models.md says so), and its
     first logits are within bfloat16's precision of float32's: the difference's RMS within 0.1 x the
     logits' RMS and its largest value within 0.25 x. Measured on an Intel Xeon (2026-12-06): native
     (AVX-512) RMS 0.009-0.048, largest 0.033-0.106; held to AVX2 RMS 0.007-0.018, largest 0.025-0.061;

@@ -11,7 +11,7 @@ scheduler name a request by its handle (shared/plans.py), these by its id.
 from collections.abc import Sequence
 
 from services.scheduler.policy import SchedulerPolicy, TokenOutcome
-from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken
+from shared.messages import BatchPlan, ItemError, PlanResult, SampledToken, StepItem
 from shared.plans import (MAX_HANDLE, ColumnPlan, ResultColumns, encode_plan, read_result, read_result_columns,
                           split_steps)
 
@@ -29,6 +29,11 @@ class PlanCodec:
         self._free_handles: list[int] = []
         self._next_handle = 0
         self._sent: dict[int, dict[int, str]] = {}  # each plan not answered: its items' handle -> request id
+
+    def expect_answer(self, plan_id: int, items: Sequence[StepItem]) -> None:
+        """The answer to plan_id will name these items' requests by their handles (encode calls it;
+        a benchmark that decodes one answer again and again calls it before each)."""
+        self._sent[plan_id] = {self._handle_of[item.request_id]: item.request_id for item in items}
 
     def encode(self, plan: BatchPlan, answer_with_next: bool = False, steps: int = 1,
                item_steps: Sequence[int] = ()) -> bytes:
@@ -62,7 +67,7 @@ class PlanCodec:
         decodes = [item for item in plan.items if item.feeds_sampled and item.sample]
         others = [item for item in plan.items if not (item.feeds_sampled and item.sample)]
         for step in range(steps):  # (a step's answer names the requests that run it)
-            self._sent[plan.plan_id + step] = {self._handle_of[item.request_id]: item.request_id for item in plan.items}
+            self.expect_answer(plan.plan_id + step, plan.items)
         if item_steps:
             steps_of = dict(zip([item.request_id for item in plan.items], item_steps, strict=True))
             item_steps = [steps_of[item.request_id] for item in decodes + others]

@@ -41,7 +41,7 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
-from services.bench.experiments import _f
+from services.bench.experiments import figure
 from services.bench.runner import BenchConfig, finite, machine_info, run_benchmark
 from services.bench.server import REPO, ServerProcess
 from services.bench.workloads import WorkloadConfig
@@ -327,13 +327,13 @@ def markdown(report: dict) -> str:
     for row in rows:
         phases = row["phase_cpu_us_per_iteration"]
         lines.append(
-            f"| {row['profile']} | {_f(row['mean_decode_step_ms'], 2)} | {row['workers']} | {row['mean_batch']:.1f} | "
+            f"| {row['profile']} | {figure(row['mean_decode_step_ms'], 2)} | {row['workers']} | {row['mean_batch']:.1f} | "
             f"{row['busy_min']:.2f} | {row['busy_mean']:.2f} | {row['plans_per_s']:.0f} | "
             f"{row['scheduler_cpu_share']:.0%} | {row['scheduler_cpu_us_per_iteration']:.0f} | "
             + " | ".join(f"{phases.get(phase, float('nan')):.0f}" for phase in PHASES)
             + f" | {row['scheduler_cpu_us_per_iteration'] - sum(phases.values()):.0f}"
-            + f" | {_f(row['round_trips_per_iteration'], 2)} | {_f(row.get('iterations_per_plan', float('nan')), 2)}"
-            f" | {_f(row['gap_ms_per_iteration'], 2)} | "
+            + f" | {figure(row['round_trips_per_iteration'], 2)} | {figure(row.get('iterations_per_plan', float('nan')), 2)}"
+            f" | {figure(row['gap_ms_per_iteration'], 2)} | "
             f"{_component_cpu(row, 'worker')} | {_component_cpu(row, 'redis')} |")
     lines += ["", "Largest fleet one scheduler keeps every worker at least 95% busy:", ""]
     for profile, fleet in report["largest_busy_fleet"].items():

@@ -201,7 +201,7 @@ class Experiments:
         for fraction in self.sizes.rate_fractions:
             rate = fraction * self.capacity
             report = self.bench(server, f"{policy} at {rate:.3g} req/s", self.rate_point_requests(rate), rate=rate)
-            points.append(_point(report, rate))
+            points.append(rate_point(report, rate))
             self.results.setdefault("orca_vs_request", {})[policy] = points
             self.write()
             if len(points) >= 2 and all(point["request_throughput"] < SATURATED * point["rate"] for point in points[-2:]):
@@ -272,7 +272,8 @@ def _compact(record: dict) -> dict:
     return compact
 
 
-def _point(report: dict, rate: float) -> dict:
+def rate_point(report: dict, rate: float) -> dict:
+    """One offered rate's figures, from its bench report (a point of a policy's frontier)."""
     summary = report["summary"]
     return {
         "rate": rate,
@@ -339,7 +340,8 @@ def headline_ratio(rows: list[dict]) -> dict | None:
 
 # Markdown
 
-def _f(value, digits: int = 1) -> str:
+def figure(value, digits: int = 1) -> str:
+    """A number as the reports print it: `digits` decimals, "-" for none."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:.{digits}f}"
@@ -357,10 +359,10 @@ def render(results: dict, out_dir: Path) -> str:
              f"Command: `{results['command']}`. Workload: {sizes['workload']}, forced output lengths "
              f"(`max_tokens` + `ignore_eos`), seed {results['seed']}. {sizes['note']}", "",
              f"Capacity of one worker at saturation (sets the arrival rates): "
-             f"{_f(results.get('capacity_requests_per_s'), 3)} req/s. Total time {results.get('elapsed_s', 0) / 60:.1f} min.",
+             f"{figure(results.get('capacity_requests_per_s'), 3)} req/s. Total time {results.get('elapsed_s', 0) / 60:.1f} min.",
              "",
-             f"Load average (1 min) at the start and end: {_f(results.get('load_average_at_start'), 2)} and "
-             f"{_f(results.get('load_average_at_end'), 2)}: well above 0 means other work shared the cores, and "
+             f"Load average (1 min) at the start and end: {figure(results.get('load_average_at_start'), 2)} and "
+             f"{figure(results.get('load_average_at_end'), 2)}: well above 0 means other work shared the cores, and "
              f"every number below is skewed by it.", ""]
     lines += render_orca(results, out_dir)
     lines += render_overhead(results, out_dir)
@@ -377,9 +379,9 @@ def orca_table(curves: dict) -> list[str]:
             lines.append(
                 f"| {policy} | {point['rate']:.3g} | {point['completed']}/{point['requests']} | "
                 f"{point['request_throughput']:.3f} | {point['output_token_throughput']:.1f} | "
-                f"{_f(point['normalized_latency_p50_ms'], 0)} / {_f(point['normalized_latency_mean_ms'], 0)} / "
-                f"{_f(point['normalized_latency_p99_ms'], 0)} | {_f(point['ttft_p50_ms'], 0)} | "
-                f"{_f(point['tpot_p50_ms'], 0)} | {_f(point['e2e_p50_s'], 2)} / {_f(point['e2e_p99_s'], 2)} |")
+                f"{figure(point['normalized_latency_p50_ms'], 0)} / {figure(point['normalized_latency_mean_ms'], 0)} / "
+                f"{figure(point['normalized_latency_p99_ms'], 0)} | {figure(point['ttft_p50_ms'], 0)} | "
+                f"{figure(point['tpot_p50_ms'], 0)} | {figure(point['e2e_p50_s'], 2)} / {figure(point['e2e_p99_s'], 2)} |")
     return lines
 
 
@@ -466,7 +468,7 @@ def render_overhead(results: dict, out_dir: Path) -> list[str]:
                       "batches differ a little, as requests reach the scheduler one by one)."]
     lines += ["", f"Measured costs of the pieces, per iteration at a decode batch of {micro['batch_size']}:", "",
               "| piece | ms per iteration |", "|---|---|",
-              f"| Redis round trip (PING, median; an iteration has two stream hops) | {_f(micro.get('redis_ping_ms'), 3)} |",
+              f"| Redis round trip (PING, median; an iteration has two stream hops) | {figure(micro.get('redis_ping_ms'), 3)} |",
               f"| plan + result msgpack/pydantic encode + decode ({micro['plan_bytes']} + {micro['result_bytes']} bytes) "
               f"| {micro['serialization_ms']:.3f} |",
               f"| detokenization ({micro['batch_size']} tokens) | {micro['detokenization_ms']:.3f} |",
@@ -503,9 +505,9 @@ def render_scaling(results: dict, out_dir: Path) -> list[str]:
         saturation, at_rate = scaling[key]["saturation"]["summary"], scaling[key]["at_rate"]["summary"]
         values[workers] = saturation["request_throughput"]
         lines.append(f"| {workers} | {saturation['request_throughput']:.3f} | {saturation['output_token_throughput']:.1f} | "
-                     f"{at_rate['request_throughput']:.3f} | {_f(at_rate['ttft_ms']['p50'], 0)} | "
-                     f"{_f(at_rate['tpot_ms']['p50'], 0)} | {_f(at_rate['normalized_latency_ms_per_token']['p50'], 0)} | "
-                     f"{_f(at_rate['e2e_s']['p99'], 2)} |")
+                     f"{at_rate['request_throughput']:.3f} | {figure(at_rate['ttft_ms']['p50'], 0)} | "
+                     f"{figure(at_rate['tpot_ms']['p50'], 0)} | {figure(at_rate['normalized_latency_ms_per_token']['p50'], 0)} | "
+                     f"{figure(at_rate['e2e_s']['p99'], 2)} |")
     lines += ["", f"Rate runs at {scaling['rate']:.3g} req/s (Poisson). Saturation throughput, 2 workers / 1: "
                   f"**{values[2] / max(values[1], 1e-9):.2f}x**."]
     if plots.available():
@@ -533,10 +535,10 @@ def render_cancellation(results: dict, out_dir: Path) -> list[str]:
         rows[key] = summary
         lines.append(f"| {float(key):.0%} ({summary['cancelled']} of {summary['requests']}) | {summary['completed']} | "
                      f"{summary['request_throughput']:.3f} | {summary['output_token_throughput']:.1f} | "
-                     f"{summary['delivered_token_throughput']:.1f} | {_f(summary['ttft_ms']['p50'], 0)} / "
-                     f"{_f(summary['ttft_ms']['p99'], 0)} | {_f(summary['tpot_ms']['p50'], 0)} | "
-                     f"{_f(summary['e2e_s']['p50'], 2)} / {_f(summary['e2e_s']['p99'], 2)} | "
-                     f"{_f(summary['normalized_latency_ms_per_token']['p50'], 0)} |")
+                     f"{summary['delivered_token_throughput']:.1f} | {figure(summary['ttft_ms']['p50'], 0)} / "
+                     f"{figure(summary['ttft_ms']['p99'], 0)} | {figure(summary['tpot_ms']['p50'], 0)} | "
+                     f"{figure(summary['e2e_s']['p50'], 2)} / {figure(summary['e2e_s']['p99'], 2)} | "
+                     f"{figure(summary['normalized_latency_ms_per_token']['p50'], 0)} |")
     if plots.available() and len(rows) == 2:
         path = out_dir / "cancellation.png"
         keys = sorted(rows)

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from services.bench import plots
-from services.bench.experiments import _f, _point, headline_ratio, throughput_ratios
+from services.bench.experiments import figure, headline_ratio, rate_point, throughput_ratios
 from services.bench.runner import BenchConfig, finite, machine_info, run_benchmark
 from services.bench.server import REPO, ServerProcess
 from services.bench.workloads import PromptSource, WorkloadConfig, build_requests
@@ -108,7 +108,7 @@ class Sweep:
                     report = self.bench(systems[name], f"seed {seed}, {name} at {rate:.2f} req/s",
                                         self.sizes.point_requests, seed, rate)
                     report["requests"] = []  # the summary keeps the distributions
-                    curves[name].append(_point(report, rate))
+                    curves[name].append(rate_point(report, rate))
                 self.write()
             rows = throughput_ratios(curves["iteration"], curves["request"])
             self.results["seeds"][str(seed)]["ratios"] = rows
@@ -132,7 +132,7 @@ def render(results: dict, out_dir: Path) -> str:
              f"{sizes['point_requests']} requests per rate point, Poisson arrivals, the two policies interleaved at "
              f"each point; goodput = requests/s with TTFT ≤ {sizes['ttft_slo']:g} s and TPOT ≤ "
              f"{sizes['tpot_slo'] * 1000:g} ms. Capacity of the iteration-level system (all at once): "
-             f"{_f(results.get('capacity_requests_per_s'), 2)} req/s.", ""]
+             f"{figure(results.get('capacity_requests_per_s'), 2)} req/s.", ""]
     for seed, data in results["seeds"].items():
         curves = data["curves"]
         lines += [f"## Seed {seed}", ""]
@@ -147,8 +147,8 @@ def render(results: dict, out_dir: Path) -> str:
             for point in points:
                 lines.append(f"| {name} | {point['rate']:.2f} | {point['completed']}/{point['requests']} | "
                              f"{point['request_throughput']:.2f} | {point['output_token_throughput']:.0f} | "
-                             f"{_f(point['normalized_latency_p50_ms'], 1)} | {_f(point['ttft_p50_ms'], 0)} | "
-                             f"{_f(point['tpot_p50_ms'], 1)} | {_f(point['goodput'], 2)} |")
+                             f"{figure(point['normalized_latency_p50_ms'], 1)} | {figure(point['ttft_p50_ms'], 0)} | "
+                             f"{figure(point['tpot_p50_ms'], 1)} | {figure(point['goodput'], 2)} |")
         rows = data.get("ratios") or []
         if rows:
             lines += ["", "Throughput at equal median normalized latency (≥: a lower bound, the iteration-level "

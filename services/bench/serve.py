@@ -179,8 +179,8 @@ def sharegpt_requests(path: str, count: int, tokenizer: Tokenizer, *, seed: int 
         raise ValueError(f"{path} has no usable conversation (two turns or more, 4-{MAX_PROMPT_LEN} prompt tokens, "
                          f"at most {MAX_TOTAL_LEN} in all)")
     if oversample and len(requests) < count:
-        draw = random.Random(seed)  # vLLM's maybe_oversample_requests: random.seed(seed), random.choice
-        picked = [draw.choice(requests) for _ in range(count - len(requests))]
+        # vLLM's maybe_oversample_requests: random.seed(seed); random.choices(requests, k=...)
+        picked = random.Random(seed).choices(requests, k=count - len(requests))
         requests += [_request(len(requests) + index, endpoint, request.prompt_tokens, request.max_tokens, seed,
                               request.prompt_text, (), ignore_eos) for index, request in enumerate(picked)]
     return requests

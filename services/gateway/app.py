@@ -96,6 +96,8 @@ async def _follow_executors(app: web.Application) -> None:
                     state.note_executors(model.name, await state.store.scheduler_info(model.keys))
                 except ServiceUnavailable:
                     pass  # Redis is away: the last ones stand; /health says why
+                except Exception:  # (a bug must not stop the labels for good: said, and tried again)
+                    log.exception("event=executors_refresh_failed model=%s", model.name)
             await asyncio.sleep(EXECUTORS_EVERY_SECONDS)
 
     state.executors_task = asyncio.get_running_loop().create_task(follow())

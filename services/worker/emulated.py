@@ -131,8 +131,12 @@ class EmulatedEngine(RequestRows):
 
         profile = load_profile(settings.hardware)
         config = serving_config(load_metadata(settings.model).config, settings.max_model_len)
-        blocks = (profile.kv_blocks(settings.kv_block_size, settings.kv_memory_fraction)
-                  if settings.kv_memory_fraction > 0 else settings.kv_blocks)
+        if settings.gpu_memory_utilization > 0:  # vLLM's meaning, on the profile's device
+            blocks = profile.kv_blocks_in_share(settings.kv_block_size, settings.gpu_memory_utilization)
+        elif settings.kv_memory_fraction > 0:
+            blocks = profile.kv_blocks(settings.kv_block_size, settings.kv_memory_fraction)
+        else:
+            blocks = settings.kv_blocks
         engine = cls(profile, blocks, settings.kv_block_size, settings.max_batch_size, config.vocab_size,
                      config.context_length)
         log.info("event=engine_ready executor=emulated hardware=%s device=%r kv_blocks=%d "

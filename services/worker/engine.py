@@ -66,6 +66,20 @@ def pick_dtype(name: str, device: torch.device, stored: str = "") -> torch.dtype
     return DTYPES[name]
 
 
+def own_bytes(config: ModelConfig, settings: "Settings", dtype: torch.dtype) -> int:
+    """What a worker holds besides its KV pool, counted from the model's shape (as vLLM's profile
+    run measures it): the weights, and the activations of the largest step (max_batch_tokens
+    tokens through the widest layer, and float32 logits for max_batch_size rows)."""
+    attention = config.hidden_size * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+    layer = attention + 3 * config.hidden_size * config.ffn_size + 2 * config.hidden_size
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tied_embeddings else 2)
+    weights = (config.n_layers * layer + embeddings + config.hidden_size) * torch.finfo(dtype).bits // 8
+    widest = max(config.hidden_size * 4, config.ffn_size * 2 + config.hidden_size)
+    activations = (settings.max_batch_tokens * widest * torch.finfo(dtype).bits // 8
+                   + settings.max_batch_size * config.vocab_size * 4)
+    return weights + activations
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory the KV pool may take a fraction of: free GPU memory, or available RAM."""
     return memory_bytes(device)[0]
@@ -178,17 +192,25 @@ class Engine(RequestRows):
     @staticmethod
     def kv_blocks_in(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype) -> int:
         """The pool's blocks: kv_blocks; or kv_memory_fraction of the device's free memory; or, with
-        gpu_memory_utilization (vLLM's meaning), what is left of that share of the device's whole
-        memory once the weights are loaded (ValueError when they leave nothing)."""
+        gpu_memory_utilization (vLLM's meaning: the share of the device's whole memory this worker
+        may use), that share less this worker's own weights and activations (own_bytes: not what
+        other processes hold, so that two workers of 0.45 share a device as two vLLMs would), refused
+        (KVPoolTooSmall) when it leaves no block or when the device's free memory cannot hold it."""
         bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
                            * torch.finfo(dtype).bits // 8)
         if settings.gpu_memory_utilization > 0:
             free, total = memory_bytes(device)
-            room = int(settings.gpu_memory_utilization * total) - (total - free)
+            share = int(settings.gpu_memory_utilization * total)
+            own = own_bytes(config, settings, dtype)
+            room = share - own
             if room < bytes_per_block:
-                raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: {total - free} of "
-                                 f"{total} bytes of {device} are in use already (the weights and whatever else): no "
-                                 f"room for a KV block of {bytes_per_block} bytes")
+                raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: {share} of {total} "
+                                     f"bytes of {device}, less this worker's weights and activations ({own}), leave "
+                                     f"no room for a KV block of {bytes_per_block} bytes")
+            if room > free:
+                raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: its KV pool "
+                                     f"({room} bytes) is more than {device} has free ({free} of {total}): other "
+                                     f"processes hold the rest; give each a smaller share")
             return room // bytes_per_block
         if settings.kv_memory_fraction <= 0:
             return settings.kv_blocks

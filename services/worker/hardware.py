@@ -109,6 +109,16 @@ class HardwareProfile:
         free = self.memory_bytes - self.model.resident_bytes
         return max(1, int(free * memory_fraction // (self.model.kv_bytes_per_token * block_size)))
 
+    def kv_blocks_in_share(self, block_size: int, utilization: float) -> int:
+        """KV blocks in this share of the device's whole memory less the weights (vLLM's
+        --gpu-memory-utilization); ProfileError when it leaves none."""
+        room = self.memory_bytes * utilization - self.model.resident_bytes
+        blocks = int(room // (self.model.kv_bytes_per_token * block_size))
+        if blocks < 1:
+            raise ProfileError(f"--gpu-memory-utilization {utilization:g} of {self.name}'s {self.memory_bytes} bytes "
+                               f"leaves no room for a KV block after the weights ({self.model.resident_bytes} bytes)")
+        return blocks
+
 
 def known_profiles() -> list[str]:
     return sorted(path.stem for path in PROFILES.glob("*.json"))
