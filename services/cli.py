@@ -1,6 +1,7 @@
 """`iterserve`: one console script for the whole system and for each service.
 
   iterserve up          redis (private, unless --redis-url), gateway, scheduler, N workers
+  iterserve serve MODEL up, as vLLM's `vllm serve MODEL [options]` is written
   iterserve gateway     the HTTP front door        (one process, as compose runs it)
   iterserve scheduler   the iteration-level scheduler
   iterserve worker      one worker: model + KV cache
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("up", "gateway", "scheduler", "worker"):
         add_service_options(commands.add_parser(name, help=f"run {name}"))
+    vllm_serve = commands.add_parser("serve", help="`vllm serve MODEL ...` as vLLM takes it: up, its model first")
+    vllm_serve.add_argument("model_tag", nargs="?", help="the model (as --model)")
+    add_service_options(vllm_serve)
     commands.add_parser("keep-awake", help="spin at idle priority, keeping this CPU from idling (run it pinned to "
                                            "the scheduler's CPU: services/keep_awake.py)")
     bench = commands.add_parser("bench", help="load generator against a running gateway", add_help=False)
@@ -286,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
 
         keep_awake()
         return
+    if args.command == "serve":  # vLLM's command line: the model first, then the options
+        args.command = "up"
+        if args.model_tag:
+            args.model = [args.model_tag, *(args.model or [])]
     try:
         settings = settings_from(args)
     except ValueError as error:  # a config file it cannot take, or settings that do not validate

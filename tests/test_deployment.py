@@ -152,6 +152,16 @@ def test_a_vllm_serve_command_line_and_a_config_file_give_the_same_settings(tmp_
         2, 1, 32, 1024, 32, 4096, False, True)
     assert vllm.api_keys.split(",") == ["k0", "k1", "k2"]
     assert parsed_settings(["--enable-prefix-caching"]).prefix_caching is True
+    # `vllm serve MODEL ...` as written, with vllm replaced: the model first (the real command's parser)
+    from services.cli import main as cli_main
+
+    served = {}
+    monkeypatch.setattr("services.launcher.run_up", lambda settings: served.setdefault("settings", settings) and 0)
+    monkeypatch.setattr("services.cli.require_model", lambda *args: None)
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "/models/Llama-3.2-1B-Instruct", "-tp", "2", "--max-num-seqs", "8"])
+    assert served["settings"].model == "/models/Llama-3.2-1B-Instruct" and served["settings"].tensor_parallel == 2
+    assert served["settings"].max_batch_size == 8
     assert parsed_settings(["--gpu-memory-utilization", "0.9"]).gpu_memory_utilization == 0.9
     config = tmp_path / "serve.yaml"
     config.write_text("tensor-parallel-size: 2\n--max-num-seqs: 32\nmax_num_batched_tokens: 1024\nblock-size: 32\n"
