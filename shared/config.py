@@ -114,8 +114,9 @@ class Settings(BaseModel):
     # When > 0, size the KV pool as this fraction of the device's free memory instead of kv_blocks.
     kv_memory_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     # vLLM's --gpu-memory-utilization: when > 0, the share of the device's whole memory the worker may
-    # take, weights and KV together; the KV pool is what the weights leave of it (on the CPU, of the
-    # machine's memory). Activations are not profiled as vLLM does: keep it below 1.
+    # take, weights, activations and KV together; the KV pool is what the worker's own weights and
+    # largest step's activations leave of it (on the CPU, of the machine's memory), counted from the
+    # model's shape (services/worker/engine.py own_bytes) rather than profiled as vLLM does.
     gpu_memory_utilization: float = Field(0.0, ge=0.0, le=1.0)
     # vLLM's --max-model-len: serve at most this many tokens a request (prompt and output), below the
     # model's own context length; 0: the model's.

@@ -83,7 +83,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         sampling.temperature, sampling.seed,
     )  # fmt: skip
     state.metrics.prompt_tokens.inc(len(prompt_token_ids))
-    state.metrics.vllm.prompt_tokens.labels(model.name).inc(len(prompt_token_ids))
+    state.metrics.vllm.of(model.name).prompt_tokens.inc(len(prompt_token_ids))
     answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
                     logprobs=sampling.logprobs >= 0)
     answer.ticket = ticket
@@ -101,7 +101,9 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
 async def admit(state: GatewayState, model: GatewayModel, client_key: str, prompt_tokens: int) -> Ticket:
     """A place among the waiting requests, or a 429 (services/gateway/admission.py)."""
     admission = state.admission
-    if admission.needs_scheduler_view():  # Redis down: 503, as submit would
+    # (Redis down: 503, as submit would.) The heartbeat read also names the model's executors, read
+    # now when they are not known yet, so that this very answer says what made it.
+    if admission.needs_scheduler_view() or model.name not in state.executors:
         scheduler = await state.store.scheduler_info(model.keys)
         admission.note_scheduler(scheduler)
         state.note_executors(model.name, scheduler)
@@ -202,6 +204,7 @@ class Answer:
         logprobs: bool = False,  # the request asked for logprobs
     ) -> None:
         self.state, self.model, self.endpoint, self.request_id = state, model, endpoint, request_id
+        self.vllm = state.metrics.vllm.of(model.name)  # its model's vLLM-named series
         self.created, self.prompt_tokens = created, prompt_tokens
         self.started, self.start_index = started, start_index
         self.pieces: list[str] = []
@@ -237,10 +240,10 @@ class Answer:
                     self.ticket.started()
                 if self.started is not None:
                     self.state.metrics.time_to_first_token.observe(now - self.started)
-                    self.state.metrics.vllm.time_to_first_token.labels(self.model.name).observe(now - self.started)
+                    self.vllm.time_to_first_token.observe(now - self.started)
                     self.state.metrics.recent.note("ttft", now - self.started)
             elif self.started is not None:
-                self.state.metrics.vllm.inter_token_latency.labels(self.model.name).observe(now - self.last_token_at)
+                self.vllm.inter_token_latency.observe(now - self.last_token_at)
             self.last_token_at = now
 
     def finish(self, event: TokenEvent) -> dict:
@@ -257,8 +260,8 @@ class Answer:
             metrics = self.state.metrics
             metrics.completion_tokens.inc(completion_tokens)
             metrics.e2e_latency.observe(time.monotonic() - self.started)
-            metrics.vllm.generation_tokens.labels(self.model.name).inc(completion_tokens)
-            metrics.vllm.e2e_request_latency.labels(self.model.name).observe(time.monotonic() - self.started)
+            self.vllm.generation_tokens.inc(completion_tokens)
+            self.vllm.e2e_request_latency.observe(time.monotonic() - self.started)
             if self.tokens_seen > 1:
                 decode_seconds = self.last_token_at - self.first_token_at
                 metrics.time_per_output_token.observe(decode_seconds / (self.tokens_seen - 1))

@@ -2,6 +2,7 @@
 
 import time
 from collections import deque
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -157,10 +158,21 @@ class VllmMetrics:
                                              label, buckets=LATENCY_BUCKETS, registry=registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens accepted", label, registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens delivered", label, registry=registry)
+        self._series: dict[str, VllmSeries] = {}
         # The scheduler's totals, as last read from Redis (they outlive its restarts): counters whose
         # values come from outside this process, so a collector of their own.
         self.lasting: dict[str, dict[str, int]] = {}  # model -> counter -> total
         registry.register(_LastingCounters(self.lasting))
+
+    def of(self, model: str) -> "VllmSeries":
+        """A model's request series, labelled once (a token's observation looks up no label)."""
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = VllmSeries(
+                self.time_to_first_token.labels(model), self.inter_token_latency.labels(model),
+                self.e2e_request_latency.labels(model), self.prompt_tokens.labels(model),
+                self.generation_tokens.labels(model))
+        return series
 
     def observe_cluster(self, model: str, view: ClusterView) -> None:
         if view.scheduler:
@@ -170,6 +182,16 @@ class VllmMetrics:
         unused = sum(worker.kv_blocks_free + worker.kv_blocks_cached for worker in view.workers)
         self.kv_cache_usage.labels(model).set((total - unused) / total if total else 0.0)
         self.lasting[model] = dict(view.counters)
+
+
+class VllmSeries(NamedTuple):
+    """One model's children of VllmMetrics' request series."""
+
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
 
 
 class _LastingCounters:
