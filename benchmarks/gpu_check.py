@@ -102,6 +102,9 @@ class Greedy:  # a SamplingParams at its defaults: temperature 0
     seed: int = 0
     logprobs: int = -1
     has_penalty: bool = False
+    needs_history: bool = False
+    logit_bias: tuple = ()
+    structured: None = None
 
 
 def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:

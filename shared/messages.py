@@ -20,6 +20,19 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
+class StructuredOutput(Frozen):
+    """A constraint on a request's output text (OpenAI's response_format, vLLM's structured_outputs):
+    the worker masks every token that cannot continue it (shared/grammar.py)."""
+
+    # json: a JSON Schema (spec, as JSON text); json_object: any JSON object (spec empty); regex: a
+    # regular expression; choice: one of the strings of spec (a JSON list); grammar: Lark or GBNF.
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+
+
 class SamplingParams(Frozen):
     temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 means greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -39,11 +52,20 @@ class SamplingParams(Frozen):
     max_tokens: int = Field(16, ge=1)
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
     ignore_eos: bool = False  # benchmarks force output lengths
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the token's logit, sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = Field((), max_length=MAX_LOGIT_BIAS)
+    structured: StructuredOutput | None = None  # the output follows this constraint
 
     @property
     def has_penalty(self) -> bool:
         """Whether a token's logit depends on the tokens before it (its prompt and output so far)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a worker needs the request's tokens so far, not only its KV: penalties count them,
+        and a constraint's state is a function of its output tokens (replayed after a move)."""
+        return self.has_penalty or self.structured is not None
 
 
 class RequestRecord(Frozen):

@@ -45,7 +45,7 @@ from shared.keys import valid_request_id
 from shared.messages import NewRequest, SamplingParams, StepItem
 from shared.wire import WireError
 
-PLAN_FORMAT = 3
+PLAN_FORMAT = 4
 MAX_HANDLE = 65535  # handles are uint16 on the wire
 MAX_INDEX = 2**31
 MAX_STEPS = 16  # steps one plan may run (Settings.scheduler_steps)

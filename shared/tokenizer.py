@@ -302,6 +302,10 @@ class Tokenizer:
         # As transformers' apply_chat_template: the template writes any BOS itself, none is added.
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (the grammar engine builds its own copy from it)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry as the vocabulary spells it (e.g. "<|im_end|>", "Ġthe")."""
         return self._backend.token_to_id(token)

@@ -251,7 +251,42 @@ BAD_REQUESTS = [
     ("min_p negative", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_p": -0.1}, 400, "min_p"),
     ("completions logprobs above 5", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": 6}, 400, "logprobs"),
     ("completions logprobs bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": True}, 400, "logprobs"),
-    ("echo", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": True}, 400, "echo"),
+    ("echo with logprobs", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("echo not bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": "yes"}, 400, "echo"),
+    ("chat echo", "POST", CHAT, {**GOOD_CHAT, "echo": True}, 400, "echo"),
+    # Structured outputs, logit_bias, and vLLM's fields that would change the output (not implemented)
+    ("schema not JSON Schema", "POST", CHAT, {**GOOD_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nothing"}}}}, 400, "response_format.json_schema.schema"),
+    ("json_schema without name", "POST", CHAT, {**GOOD_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, 400, "response_format.json_schema.name"),
+    ("response_format unknown type", "POST", CHAT, {**GOOD_CHAT, "response_format": {"type": "yaml"}}, 400,
+     "response_format.type"),
+    ("guided_json not JSON", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_json": "{nope"}, 400, "guided_json"),
+    ("guided_regex invalid", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_regex": "a(b"}, 400, "guided_regex"),
+    ("guided_choice empty", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_choice": []}, 400, "guided_choice"),
+    ("guided_grammar invalid", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_grammar": "start: ("}, 400,
+     "guided_grammar"),
+    ("guided_grammar neither Lark nor GBNF", "POST", COMPLETIONS,
+     {**GOOD_COMPLETION, "guided_grammar": "\U000684aa$<\u00a5m#P"}, 400, "guided_grammar"),
+    ("two structured outputs", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_regex": "a+", "guided_choice": ["a"]},
+     400, "guided_choice"),
+    ("structured_outputs two kinds", "POST", COMPLETIONS,
+     {**GOOD_COMPLETION, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("structured_outputs unknown key", "POST", COMPLETIONS,
+     {**GOOD_COMPLETION, "structured_outputs": {"structural_tag": "{}"}}, 400, "structured_outputs.structural_tag"),
+    ("structured output with ignore_eos", "POST", COMPLETIONS,
+     {**GOOD_COMPLETION, "guided_regex": "a+", "ignore_eos": True}, 400, "ignore_eos"),
+    ("logit_bias key not a token id", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logit_bias": {"hello": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias token out of vocab", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logit_bias": {"49152": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias above 100", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias not numbers", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logit_bias": {"5": "up"}}, 400,
+     "logit_bias.5"),
+    ("prompt_logprobs", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("min_tokens", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_tokens": 4}, 400, "min_tokens"),
+    ("tools", "POST", CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("parallel_tool_calls", "POST", CHAT, {**GOOD_CHAT, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ("unknown model", "POST", COMPLETIONS, {**GOOD_COMPLETION, "model": "gpt-4"}, 404, "model"),
     ("prompt too long", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "hello " * 9000}, 400, "prompt"),
     ("body too large", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "x" * MAX_BODY_BYTES}, 413, None),
@@ -606,7 +641,7 @@ async def test_reattach_replays_from_an_index_then_follows_live(gateway, held_sc
 def scheduler_info(**overrides) -> SchedulerInfo:
     now = time.time()
     values = dict(pid=1, policy="iteration", started_at=now - 5, heartbeat_at=now, last_iteration_at=now,
-                  iterations=7, waiting=2, running=3)  # fmt: skip
+                  iterations=7, waiting=2, running=3, executors=["engine"])  # fmt: skip
     return SchedulerInfo(**{**values, **overrides})
 
 
@@ -635,8 +670,14 @@ async def test_health_needs_scheduler_and_a_live_worker_and_progress(gateway, re
 
     await redis_client.set(keys.worker_heartbeat("w1"), encode(worker_info("w1")), px=5000)
     await redis_client.sadd(keys.WORKERS_SET, "w1")
+    # A live worker the scheduler has not seen yet (its heartbeat names no executor): not ready,
+    # since no request can be placed on it and no answer could say what made it.
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(scheduler_info(executors=[])), px=5000)
     status, body = await get_json(gateway, "/health")
-    assert status == 200 and body["status"] == "ok" and body["workers"] == 1, body
+    assert status == 503 and body["missing"] == ["workers"]
+    await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(scheduler_info()), px=5000)
+    status, body = await get_json(gateway, "/health")
+    assert status == 200 and body["status"] == "ok" and body["workers"] == 1 and body["executor"] == "engine", body
 
     stalled = scheduler_info(last_iteration_at=time.time() - 120)  # requests wait, nothing ran for 2 min
     await redis_client.set(keys.SCHEDULER_HEARTBEAT, encode(stalled), px=5000)
@@ -897,3 +938,37 @@ async def test_a_stopping_gateway_leaves_its_open_streams_running_for_a_reattach
         await asyncio.wait({serving}, timeout=20)
     assert await cancel_entries(redis_client) == [], "a gateway going away is not a client going away"
     assert request_id in {member.decode() for member in await redis_client.smembers(keys.ACTIVE_REQUESTS_SET)}
+
+
+async def test_tokenize_and_detokenize_in_vllms_shapes(gateway, tokenizer):
+    status, body = await post_json(gateway, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    ids = tokenizer.encode_prompt("Hello world")
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] > 0
+    assert body["token_strs"] == [tokenizer.token_text(token_id) for token_id in ids]
+    status, body = await post_json(gateway, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert body["tokens"] == tokenizer.encode("Hello world") and body["token_strs"] is None
+    messages = [{"role": "user", "content": "Hi there"}]
+    status, body = await post_json(gateway, "/tokenize", {"messages": messages})
+    assert status == 200 and body["tokens"] == tokenizer.encode_chat(messages)
+    status, body = await post_json(gateway, "/detokenize", {"tokens": ids})
+    assert status == 200 and body == {"prompt": tokenizer.decode(ids)}
+    for path, bad, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                             ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/detokenize", {"tokens": [tokenizer.vocab_size]}, "tokens"),
+                             ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                             ("/detokenize", {"tokens": [1], "model": "gpt-4"}, "model")):
+        status, body = await post_json(gateway, path, bad)
+        assert status in (400, 404) and body["error"]["param"] == param, (bad, body)
+
+
+async def test_echo_starts_the_completion_with_the_prompt(gateway, scheduler, tokenizer):
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "echo": True})
+    assert status == 200 and body["choices"][0]["text"] == GOOD_COMPLETION["prompt"] + " w0 w1 w2", body
+    ids = tokenizer.encode_prompt("Hi there")
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "prompt": ids, "echo": True})
+    assert body["choices"][0]["text"] == tokenizer.decode(ids) + " w0 w1 w2"
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "echo": True, "stream": True})
+        payloads = await read_sse(response)
+    texts = [json.loads(payload)["choices"][0]["text"] for payload in payloads[:-1]]
+    assert texts[0] == GOOD_COMPLETION["prompt"] and "".join(texts) == GOOD_COMPLETION["prompt"] + " w0 w1 w2"

@@ -1,8 +1,8 @@
 """Who may use the API, and how much of the server a caller may hold (admission control).
 
 API keys: configured keys (ITERSERVE_API_KEYS, ITERSERVE_API_KEYS_FILE) make every /v1/* request
-need `Authorization: Bearer <key>` (401 otherwise); /health and /openapi.json stay open, /metrics
-and /status too unless protect_observability. Requests carry a key's id (`key-` + 16 hex digits
+need `Authorization: Bearer <key>` (401 otherwise), and /tokenize and /detokenize too; /health and
+/openapi.json stay open, /metrics and /status too unless protect_observability. Requests carry a key's id (`key-` + 16 hex digits
 of its SHA-256), never the key: the scheduler shares turns by it, and only the same key can look
 up, cancel or re-attach to a request.
 
@@ -116,7 +116,7 @@ class Admission:
     def protects(self, path: str) -> bool:
         if not self.keys_required:
             return False
-        if path.startswith("/v1/") or path == "/v1" or path == "/dashboard/events":
+        if path.startswith("/v1/") or path in ("/v1", "/dashboard/events", "/tokenize", "/detokenize"):
             return True
         return self.settings.protect_observability and path in ("/metrics", "/status")
 

@@ -1,8 +1,14 @@
 """Request bodies of the OpenAI-compatible endpoints, validated at the edge.
 
 Types are strict (a string is not a number, a bool is not an int) and every refusal names the
-field in `param`. Fields this server does not know are ignored, as OpenAI does; fields it knows
-but does not implement (echo, logit_bias, tools, ...) are accepted only at their default.
+field in `param`. Fields this server does not know are ignored, as OpenAI does; fields of OpenAI's
+or vLLM's that would change the output and are not implemented here (tools, best_of, vLLM's
+min_tokens, prompt_logprobs, ...) are accepted only at their default, so that no client gets an
+output silently other than the one it asked for.
+
+Structured outputs come in any of the names clients use, one per request: OpenAI's
+response_format (json_object, json_schema), vLLM's structured_outputs object (json, regex, choice,
+grammar, json_object) and its older guided_json / guided_regex / guided_choice / guided_grammar.
 """
 
 import json
@@ -12,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from services.gateway.errors import ApiError, bad_request
-from shared.messages import SamplingParams
+from shared.messages import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 
 MAX_STOP_STRINGS = 4  # defaults of the limits; parse_body(limits=Settings) sets the server's own
 MAX_STOP_LENGTH = 256
@@ -20,14 +26,37 @@ SEED_RANGE = 2**63  # SamplingParams.seed is in [0, 2**63); wider client seeds a
 
 # Known OpenAI/vLLM parameters this server does not implement: the values that mean "off".
 UNSUPPORTED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),  # (meaningful with tools only)
+    # vLLM's extensions that change what is generated
+    "prompt_logprobs": (None,),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "logits_processors": (None, []),
+    "guided_whitespace_pattern": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None, []),
+    "vllm_xargs": (None, {}),
 }
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+MAX_CHOICES = 256  # strings of one guided_choice
+MAX_SPEC_CHARS = 65536  # a schema, regex or grammar, as JSON text
 
 
 class StrictBody(BaseModel):
@@ -40,6 +69,10 @@ class StreamOptions(StrictBody):
 
 class GenerationParams(StrictBody):
     """The parameters both endpoints share."""
+
+    # Read from the body by check_supported (parse_body calls it)
+    _structured: tuple[StructuredOutput, str] | None = None
+    _logit_bias: tuple[tuple[int, float], ...] = ()
 
     model: str | None = None  # absent: the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -58,14 +91,42 @@ class GenerationParams(StrictBody):
     n: int | None = None
     ignore_eos: bool | None = None  # extension (vLLM): benchmarks force output lengths
     user: str | None = None
+    # OpenAI's: token id (as a string) -> bias in [-100, 100], added to that token's logit
+    logit_bias: dict[str, float] | None = None
+    # Structured outputs (STRUCTURED_FIELDS; at most one given): read by structured_output()
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None  # (vLLM's choice of engine: this server has one)
     # Accepted only at their default (see UNSUPPORTED_UNLESS_DEFAULT).
-    echo: Any = None
     best_of: Any = None
-    logit_bias: Any = None
     suffix: Any = None
     tools: Any = None
     functions: Any = None
-    response_format: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    prompt_logprobs: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    vllm_xargs: Any = None
 
     @field_validator("n")
     @classmethod
@@ -102,6 +163,64 @@ class GenerationParams(StrictBody):
             value = getattr(self, name)
             if not _is_default(value, defaults):
                 raise bad_request(f"`{name}`={_short(value)} is not supported by this server", param=name)
+        self._structured = self._read_structured()
+        self._logit_bias = self._read_logit_bias()
+        if self._structured is not None and self.ignore_eos:
+            raise bad_request("`ignore_eos` cannot be combined with a structured output: the output ends where "
+                              "its constraint does", param="ignore_eos")
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The request's constraint and the parameter it came in (for a 400 naming it), or None."""
+        return self._structured
+
+    def _read_structured(self) -> tuple[StructuredOutput, str] | None:
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and getattr(self, name) == {"type": "text"})]
+        if len(given) > 1:
+            raise bad_request(f"at most one structured output per request: {', '.join(given)} were given",
+                              param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        value = getattr(self, name)
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise bad_request("`structured_outputs` must be an object", param=name)
+            kinds = {key: item for key, item in value.items() if key in ("json", "regex", "choice", "grammar",
+                                                                         "json_object") and item not in (None, False)}
+            unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object", "backend",
+                                            "disable_fallback", "disable_any_whitespace",
+                                            "disable_additional_properties", "whitespace_pattern"})
+            if unknown:
+                raise bad_request(f"`structured_outputs.{unknown[0]}` is not supported by this server",
+                                  param=f"{name}.{unknown[0]}")
+            if len(kinds) != 1:
+                raise bad_request("`structured_outputs` needs exactly one of json, regex, choice, grammar, "
+                                  "json_object", param=name)
+            [(kind, item)] = kinds.items()
+            return _constraint(kind, item, f"{name}.{kind}"), f"{name}.{kind}"
+        return _constraint(name.removeprefix("guided_"), value, name), name
+
+    def _read_logit_bias(self) -> tuple[tuple[int, float], ...]:
+        if not self.logit_bias:
+            return ()
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                              param="logit_bias")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or not key.isascii():
+                raise bad_request(f"`logit_bias` keys are token ids, got {_short(key)}", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise bad_request(f"`logit_bias` values are in [-100, 100], got {value} for token {key}",
+                                  param="logit_bias")
+            bias[int(key)] = float(value)
+        return tuple(sorted(bias.items()))
+
+    def logit_bias_ids(self) -> tuple[int, ...]:
+        return tuple(token_id for token_id, _ in self._logit_bias)
 
     @property
     def include_usage(self) -> bool:
@@ -133,6 +252,8 @@ class GenerationParams(StrictBody):
             max_tokens=max_tokens,
             stop=self.stop,
             ignore_eos=bool(self.ignore_eos),
+            logit_bias=self._logit_bias,
+            structured=structured[0] if (structured := self.structured_output()) else None,
         )
 
 
@@ -141,6 +262,13 @@ class CompletionRequest(GenerationParams):
     prompt: Any
     # The legacy endpoint's logprobs: this many most likely tokens per position, and the chosen one's.
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None  # the answer's text starts with the prompt's
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise bad_request("`echo` with `logprobs` would need the prompt's log-probabilities, which this server "
+                              "does not compute yet", param="echo")
 
     def top_logprobs_wanted(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
@@ -191,17 +319,74 @@ class ChatMessage(StrictBody):
 
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: Any = None  # (vLLM's chat echo, of the last message: not supported, refused unless false)
     tool_choice: Any = None  # meaningless without tools, which are refused
     logprobs: bool | None = None  # the chosen tokens' log-probabilities
     top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens' (needs logprobs)
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo not in (None, False):
+            raise bad_request(f"`echo`={_short(self.echo)} is not supported on chat completions", param="echo")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
 
     def top_logprobs_wanted(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else -1
+
+
+def _response_format(value: Any) -> tuple[StructuredOutput, str]:
+    """OpenAI's response_format (json_object, or json_schema with its name, schema and strict), and
+    the parameter a bad grammar is named by."""
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("`response_format` must be an object with a `type`", param=param)
+    kind = value["type"]
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object"), param
+    if kind != "json_schema":
+        raise bad_request(f"`response_format.type` must be text, json_object or json_schema, got {_short(kind)}",
+                          param=f"{param}.type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("`response_format.json_schema` is required with type json_schema (an object with "
+                          "`name` and `schema`)", param=f"{param}.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise bad_request("`response_format.json_schema.name` must be a string of 1 to 64 characters",
+                          param=f"{param}.json_schema.name")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise bad_request("`response_format.json_schema.strict` must be a boolean",
+                          param=f"{param}.json_schema.strict")
+    schema_param = f"{param}.json_schema.schema"
+    return _constraint("json", spec.get("schema", {}), schema_param), schema_param
+
+
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    """A constraint of one kind from its request value (shapes checked here, grammar at compile)."""
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise bad_request(f"`{param}` is not valid JSON: {error}", param=param) from None
+        if not isinstance(value, (dict, bool)):
+            raise bad_request(f"`{param}` must be a JSON Schema (an object)", param=param)
+        spec = json.dumps(value, sort_keys=True)
+    elif kind == "choice":
+        if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                or not all(isinstance(item, str) and item for item in value)):
+            raise bad_request(f"`{param}` must be a list of 1 to {MAX_CHOICES} non-empty strings", param=param)
+        spec = json.dumps([text_of(item, f"a string of `{param}`") for item in value])
+    else:  # regex, grammar
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"`{param}` must be a non-empty string", param=param)
+        spec = text_of(value, f"`{param}`")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise bad_request(f"`{param}` is too long: {len(spec)} characters, at most {MAX_SPEC_CHARS}", param=param)
+    return StructuredOutput(kind=kind, spec=spec)
 
 
 def text_of(text: str, what: str) -> str:

@@ -18,6 +18,7 @@ from services.gateway.errors import ApiError, ServiceUnavailable, error_body, in
 from services.gateway.generation import create_chat_completion, create_completion, reattach_stream, visible_to
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
+from services.gateway.tokenize import detokenize, tokenize
 from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
 from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, RequestState, Store
 from shared.config import Settings, executor_label
@@ -65,6 +66,8 @@ def create_app(settings: Settings, tokenizer: "Tokenizer | None" = None) -> web.
     app.router.add_get("/v1/requests/{request_id}", get_request)
     app.router.add_delete("/v1/requests/{request_id}", cancel_request)
     app.router.add_get("/v1/requests/{request_id}/stream", reattach_stream)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/livez", livez)
     app.router.add_get("/version", version)
@@ -320,7 +323,10 @@ async def health(request: web.Request) -> web.Response:
         suffix = f":{model.name}" if len(views) > 1 else ""  # which model lacks it, when there are several
         if not view.scheduler_key_exists:
             missing.append("scheduler" + suffix)
-        if not view.live_worker_ids:
+        # A worker counts once its scheduler has seen it too (its heartbeat names the worker's
+        # executor): until then no request can be placed, and no answer could say what made it.
+        scheduler_sees_none = view.scheduler is not None and not view.scheduler.executors
+        if not view.live_worker_ids or scheduler_sees_none:
             missing.append("workers" + suffix)
         stalled = stall_reason(view.scheduler, state.settings.stall_seconds, time.time())
         if stalled:

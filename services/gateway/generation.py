@@ -33,6 +33,7 @@ from services.gateway.responses import (
 )
 from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
 from services.gateway.store import RequestState
+from shared.grammar import InvalidConstraint
 from shared.messages import RequestRecord, TokenEvent
 
 log = logging.getLogger("iterserve.gateway")
@@ -62,6 +63,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     limits = {"max_stop_strings": settings.max_stop_strings, "max_stop_length": settings.max_stop_length}
     params = parse_body(endpoint.request_type, await request.read(), limits)
     model = state.model(params.model)
+    await check_output_controls(model, params)
     prompt_token_ids = await tokenize_prompt(model, endpoint, params)
     max_tokens = resolve_max_tokens(state, model, endpoint, params, len(prompt_token_ids))
     request_id = endpoint.new_request_id()
@@ -86,6 +88,8 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     state.metrics.vllm.of(model.name).prompt_tokens.inc(len(prompt_token_ids))
     answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
                     logprobs=sampling.logprobs >= 0)
+    if getattr(params, "echo", None) is True:  # completions: the text starts with the prompt's
+        answer.echo = params.prompt if isinstance(params.prompt, str) else model.tokenizer.decode(prompt_token_ids)
     answer.ticket = ticket
     answer.resubmit = lambda: state.store.submit(record, model.name, model.keys)
     request[ANSWER] = answer
@@ -116,6 +120,24 @@ def visible_to(request: web.Request, request_state: RequestState) -> bool:
     if client_key == OPEN_KEY_ID:
         return not request.app[STATE].admission.keys_required
     return request_state.record is not None and request_state.record.client_key == client_key
+
+
+async def check_output_controls(model: GatewayModel, params: GenerationParams) -> None:
+    """A 400 naming the parameter for a constraint the workers could not compile, or a logit_bias
+    key that is not a token of the model."""
+    vocab_size = model.tokenizer.vocab_size
+    bad = next((token_id for token_id in params.logit_bias_ids() if token_id >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"`logit_bias` names token {bad}, out of the vocabulary (0..{vocab_size - 1})",
+                          param="logit_bias")
+    structured = params.structured_output()
+    if structured is None:
+        return
+    constraint, param = structured
+    try:
+        await asyncio.to_thread(model.check_constraint, constraint)
+    except InvalidConstraint as error:
+        raise bad_request(f"`{param}` cannot be used as a constraint: {error}", param=param) from None
 
 
 async def tokenize_prompt(model: GatewayModel, endpoint: Endpoint, params: GenerationParams) -> list[int]:
@@ -217,6 +239,7 @@ class Answer:
         # Submits it again if Redis lost it (Store.follow_tokens): set by the gateway that accepted it, holding it
         self.resubmit: Callable[[], Awaitable[None]] | None = None
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # every token's, in order
+        self.echo = ""  # the prompt's text, answered before the output's (completions' echo)
         self._logprobs_sent = 0  # how many of them a stream has sent
         self._characters = 0  # length of the text so far (the next token's text_offset)
 
@@ -329,7 +352,7 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
         raise request_failed(answer.request_id)
     body = final_body(
         answer.endpoint, answer.request_id, answer.created, answer.model.name,
-        answer.text, event.finish_reason, token_usage, answer.logprobs_body(),
+        answer.echo + answer.text, event.finish_reason, token_usage, answer.logprobs_body(),
     )  # fmt: skip
     return web.json_response(body)
 
@@ -390,6 +413,8 @@ async def _stream_events(
     chunks = ChunkWriter(answer.endpoint, answer.request_id, answer.created, answer.model.name, include_usage)
     if answer.endpoint.is_chat:
         await response.write(chunks.role())
+    if answer.echo:  # (no id: a re-attached stream carries the output only)
+        await response.write(chunks.text(answer.echo))
     last_write = time.monotonic()
     events = answer.state.store.follow_tokens(answer.request_id, answer.start_index, answer.resubmit)
     async with aclosing(events) as events:

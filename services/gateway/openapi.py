@@ -58,6 +58,18 @@ def _generation_properties(settings: Settings, context_length: int) -> dict[str,
         "n": _nullable({"type": "integer", "enum": [1]}),
         "ignore_eos": _nullable({"type": "boolean", "description": "extension: do not stop at end-of-sequence"}),
         "user": _nullable({"type": "string"}),
+        "logit_bias": _nullable({"type": "object", "description": "token id (a string) -> bias added to its logit",
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
+        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                             "strict": _nullable({"type": "boolean"})}}}}),
+        "structured_outputs": _nullable({"type": "object", "description": "extension (vLLM's): one of json, regex, "
+                                                                         "choice, grammar, json_object"}),
+        "guided_json": _nullable({"type": "object", "description": "extension (vLLM's): a JSON Schema"}),
+        "guided_regex": _nullable({"type": "string", "description": "extension (vLLM's)"}),
+        "guided_choice": _nullable({"type": "array", "items": {"type": "string"}, "description": "extension"}),
+        "guided_grammar": _nullable({"type": "string", "description": "extension: Lark or GBNF"}),
     }
 
 
@@ -113,6 +125,13 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
                     },
                 }
             },
+        },
+        "Tokenized": {
+            "type": "object",
+            "required": ["count", "max_model_len", "tokens", "token_strs"],
+            "properties": {"count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
+                           "tokens": {"type": "array", "items": {"type": "integer"}},
+                           "token_strs": _nullable({"type": "array", "items": {"type": "string"}})},
         },
         "CompletionRequest": {
             "type": "object",
@@ -274,6 +293,7 @@ def _generation_operation(summary: str, request_schema: str, response_schema: st
 def openapi_document(settings: Settings, model_name: str, keys_required: bool, context_length: int,
                      vocab_size: int) -> dict[str, Any]:
     """The document; `security` is set only when the server requires API keys."""
+    model_name_value = model_name
     request_id = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
     model_name = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string"}}
     observability_errors = _error_responses(401) if keys_required and settings.protect_observability else {}
@@ -290,6 +310,30 @@ def openapi_document(settings: Settings, model_name: str, keys_required: bool, c
             },
             "/v1/chat/completions": {
                 "post": _generation_operation("Answer a conversation", "ChatCompletionRequest", "ChatCompletion"),
+            },
+            "/tokenize": {
+                "post": {
+                    "summary": "A prompt's or a conversation's token ids (vLLM's shapes)",
+                    "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object", "properties": {
+                        "model": {"type": "string", "enum": [model_name_value]},
+                        "prompt": {"type": "string", "minLength": 1, "maxLength": 2000},
+                        "add_special_tokens": _nullable({"type": "boolean"}),
+                        "return_token_strs": {"type": "boolean"}}, "required": ["prompt"]}}}},
+                    "responses": {"200": _json_response("the tokens", "Tokenized"),
+                                  **_error_responses(400, 401, 404, 413)},
+                },
+            },
+            "/detokenize": {
+                "post": {
+                    "summary": "Token ids back to text (vLLM's shapes)",
+                    "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object", "properties": {
+                        "model": {"type": "string", "enum": [model_name_value]},
+                        "tokens": {"type": "array", "maxItems": 512, "items": {
+                            "type": "integer", "minimum": 0, "maximum": vocab_size - 1}}}, "required": ["tokens"]}}}},
+                    "responses": {"200": {"description": "the text", "content": {JSON: {"schema": {
+                        "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}}},
+                                  **_error_responses(400, 401, 404, 413)},
+                },
             },
             "/v1/models": {
                 "get": _read_operation("The served model", [], _json_response("one model", "ModelList"), 401),

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from shared.keys import ModelKeys
 
 if TYPE_CHECKING:
     from services.gateway.admission import Admission
-    from shared.messages import SchedulerInfo
+    from shared.messages import SchedulerInfo, StructuredOutput
     from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("iterserve.gateway")
@@ -31,6 +32,19 @@ class GatewayModel:
     tokenizer: "Tokenizer"
     context_length: int
     keys: ModelKeys
+    # The grammar compiler of its tokenizer, made on first use (a frozen dataclass holds it in a dict)
+    _grammars: dict = field(default_factory=dict, compare=False, repr=False)
+    _grammar_lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def check_constraint(self, constraint: "StructuredOutput") -> None:
+        """Raise InvalidConstraint when the workers could not compile it (run off the event loop: the
+        first call builds the grammar engine's tokenizer, about 0.2 s; a new schema takes 0.2-2 ms)."""
+        from shared.grammar import GrammarCompiler
+
+        with self._grammar_lock:
+            if "compiler" not in self._grammars:
+                self._grammars["compiler"] = GrammarCompiler(self.tokenizer)
+            self._grammars["compiler"].check(constraint)
 
 
 @dataclass

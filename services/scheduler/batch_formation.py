@@ -338,11 +338,12 @@ class BatchFormation:
                                                  cache_digest=flight.cache_digest))
 
     def _new_request(self, worker: WorkerState, state: RequestState) -> NewRequest:
-        """A request's data for a worker that does not hold it yet (with penalties, the tokens of the
-        cached blocks it starts with: they are part of its penalty history, and are not fed)."""
+        """A request's data for a worker that does not hold it yet (with penalties or a constraint,
+        the tokens of the cached blocks it starts with: they are part of the history its penalties
+        count and its constraint replays, and are not fed)."""
         cached_blocks = tuple(state.held_hashes[: state.adopted_blocks])
         cached_token_ids = (state.tokens(0, len(cached_blocks) * worker.kv_block_size)
-                            if cached_blocks and state.sampling.has_penalty else ())
+                            if cached_blocks and state.sampling.needs_history else ())
         if not state.workers_write:
             return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
                               cached_token_ids=cached_token_ids)

@@ -121,7 +121,7 @@ class SchedulerService:
         self._loaded = False
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
-        self._published_counts: tuple[int, int] | None = None
+        self._published_counts: tuple[int, int, tuple[str, ...]] | None = None
         self._counted = dict.fromkeys(COUNTERS, 0)  # the counters as last added to Redis's totals
 
     # Running
@@ -344,8 +344,13 @@ class SchedulerService:
 
     # The heartbeat
 
-    def _counts(self) -> tuple[int, int]:
-        return self.policy.waiting_count, self.policy.running_count
+    def _counts(self) -> tuple[int, int, tuple[str, ...]]:
+        """What a reader must never see stale: the pool's counts, and the executors of the live workers
+        (the gateway labels every answer with them from the moment /health says ready)."""
+        return self.policy.waiting_count, self.policy.running_count, self._executors()
+
+    def _executors(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.liveness.executors.values())))
 
     def _queue_heartbeat(self) -> None:
         """The heartbeat carries the pool's counts for /status; it goes first in the next round trip,
@@ -362,7 +367,7 @@ class SchedulerService:
             prefix_cache_hit_tokens=self.policy.prefix_cache_hit_tokens,
             prefix_cache_mismatches=self.policy.prefix_cache_mismatches,
             kv_blocks=self.policy.kv_blocks_by_worker(), cpus=sorted(os.sched_getaffinity(0)),
-            executors=sorted(set(self.liveness.executors.values())),
+            executors=list(self._executors()),
         )
         self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))

@@ -112,6 +112,9 @@ class KVDigests(BlockTables):
 
 
 class EmulatedEngine(RequestRows):
+    """(Constraints and logit_bias are not applied: no model runs, its tokens are a hash of the
+    context, never text; a benchmark of constrained requests on it measures the control plane only.)"""
+
     executor = "emulated"
 
     def __init__(self, profile: HardwareProfile, kv_blocks: int, block_size: int, max_rows: int, vocab_size: int,

@@ -25,6 +25,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -35,7 +36,8 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
-from services.worker.sampler import SamplerOutput, sample
+from services.worker.grammar_rows import GrammarRows
+from services.worker.sampler import LogitAdjustments, SamplerOutput, sample
 from services.worker.sampling_table import SamplingTable
 from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
 from services.worker.staging import Staging
@@ -44,6 +46,7 @@ from shared.model_file import ModelConfig, serving_config
 
 if TYPE_CHECKING:  # the engine imports only torch and numpy: it runs where the service's packages are not
     from shared.config import Settings
+    from shared.grammar import GrammarCompiler
     from shared.messages import SamplingParams, StepItem
 
 log = logging.getLogger("iterserve.worker")
@@ -137,7 +140,9 @@ class Engine(RequestRows):
         self._sampling = SamplingTable(self.max_rows, device)
         # The token each row sampled last, on the device: a pipelined plan feeds it from there.
         self.last_token = torch.zeros(self.max_rows, dtype=torch.long, device=device)
-        self._history = TokenHistory(self.max_rows, model.config.context_length, device)  # rows with penalties
+        # Rows with penalties or a constraint: their tokens so far (prompt and output)
+        self._history = TokenHistory(self.max_rows, model.config.context_length, device)
+        self._grammars: GrammarRows | None = None  # constrained rows' matchers (constrain_with)
         self._staging = Staging(device)
         self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens, rows_hint=max_batch_size)
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
@@ -154,7 +159,9 @@ class Engine(RequestRows):
     @classmethod
     def from_settings(cls, settings: "Settings") -> "Engine":
         from services.worker.weights import load_weights
+        from shared.grammar import GrammarCompiler
         from shared.model_file import load_metadata
+        from shared.tokenizer import Tokenizer
 
         started = time.perf_counter()
         metadata = load_metadata(settings.model)
@@ -178,6 +185,8 @@ class Engine(RequestRows):
         # model.config: this rank's heads and layers in a group, so its KV pool holds only those
         engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
+        engine.constrain_with(lambda: GrammarCompiler(
+            Tokenizer.for_serving(settings.model, settings.tokenizer, settings.chat_template)))
         log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d context=%d compile=%s cuda_graphs=%s "
                  "seconds=%.2f", metadata.name, device, dtype, engine.kv_cache.blocks_total, config.context_length,
                  compile, graphs, time.perf_counter() - started)
@@ -239,15 +248,32 @@ class Engine(RequestRows):
 
     # Requests (the rows themselves: services/worker/rows.py)
 
+    def constrain_with(self, compiler: "Callable[[], GrammarCompiler]") -> None:
+        """Serve structured outputs, with the grammar compiler of the model's tokenizer (made on the
+        first constrained request). An engine without one refuses constrained requests."""
+        self._grammars = GrammarRows(self.max_rows, self.config.vocab_size, compiler)
+
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         self._sampling.set(row, sampling)
-        if not sampling.has_penalty:
+        if not sampling.needs_history:
             self._history.stop(row)
         elif history or not self._history.tracked[row]:
             self._history.start(row, history)  # its cached prefix's tokens: the rest is fed
+        if self._grammars is not None:
+            if sampling.structured is None:
+                self._grammars.stop(row)
+            else:
+                self._grammars.start(row, sampling.structured)
+
+    def _refusal(self, sampling: "SamplingParams") -> str | None:
+        if sampling.structured is not None and self._grammars is None:
+            return "this engine was made without a grammar compiler: it cannot constrain an output"
+        return None
 
     def _row_freed(self, row: int) -> None:
         self._history.stop(row)
+        if self._grammars is not None:
+            self._grammars.stop(row)
 
     def reset(self) -> None:
         super().reset()
@@ -367,6 +393,8 @@ class Engine(RequestRows):
             self.model.send_sampled(result)
         self.last_token.index_copy_(0, stage("sampled_rows", sampled_rows), result.token_ids)
         tokens = result.token_ids.cpu().numpy()  # (the step's last wait for the device)
+        if self._grammars is not None:
+            self._grammars.consume(sampled_rows, output_indices, tokens)
         request_ids = self.sampled(columns, tokens)
         outcome.tokens = dict(zip(request_ids, tokens.tolist()))
         if result.logprob is not None:
@@ -376,7 +404,24 @@ class Engine(RequestRows):
         """The next token of each sampled row ([rows, V] logits, in the order of `rows`)."""
         sampling_rows = self._sampling.rows(rows, output_indices, self.config.vocab_size)
         history = self._history.for_sample(rows, output_indices) if self._history.any_tracked else None
-        return sample(logits, sampling_rows, history)
+        return sample(logits, sampling_rows, history, adjust=self._adjustments(rows, output_indices))
+
+    def _adjustments(self, rows: np.ndarray, output_indices: np.ndarray) -> LogitAdjustments | None:
+        """The constrained rows' masks (filled here, on the host, while a GPU runs the step's forward
+        pass) and the logit biases of the sampled rows, or None when none has either."""
+        device = self.model.device
+        masks = None
+        if self._grammars is not None:
+            masks = self._grammars.masks(rows, output_indices, self._history.outputs, device)
+        bias = self._sampling.biases(rows)
+        if masks is None and bias is None:
+            return None
+        adjust = LogitAdjustments()
+        if masks is not None:
+            adjust.mask_rows, adjust.bitmask = masks
+        if bias is not None:
+            adjust.bias_rows, adjust.bias_ids, adjust.bias_values = bias
+        return adjust
 
     def _with_whole_history(self, items: Sequence["StepItem"], outcome: StepOutcome) -> Sequence["StepItem"]:
         """The items, but those of rows with penalties whose history would have a gap (tokens before

@@ -68,6 +68,11 @@ class RequestRows:
     def add_request(self, request_id: str, sampling: "SamplingParams", history: Sequence[int] = ()) -> None:
         """Give a request a row (or new sampling parameters, if it has one). history: its tokens the
         worker will not be fed (those of the cached blocks it starts with: NewRequest.cached_token_ids)."""
+        reason = self._refusal(sampling)
+        if reason is not None:
+            self.free(request_id)
+            self._refused[request_id] = reason
+            return
         row = self._row_of.get(request_id)
         if row is None:
             if not self._free_rows:
@@ -81,6 +86,10 @@ class RequestRows:
         self._refused.pop(request_id, None)
         self._params[row] = sampling
         self._row_added(row, sampling, history)
+
+    def _refusal(self, sampling: "SamplingParams") -> str | None:
+        """Why this engine cannot serve a request with these parameters, or None."""
+        return None
 
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         """A row has (new) sampling parameters, and its tokens before the first it will be fed."""

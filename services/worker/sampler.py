@@ -3,6 +3,8 @@ logits' device, with no Python loop over rows on the hot path. It replaced a per
 the host (kept for comparison in benchmarks/per_row_sampler.py).
 
 Semantics, in this order (a stage runs only when some row needs it, and only on those rows):
+0. Adjustments (LogitAdjustments): a constraint's mask sends the tokens it does not allow to -inf,
+   then OpenAI's logit_bias is added.
 1. Penalties, on float32 logits, in vLLM's order: repetition (HF/vLLM: a token seen in the
    prompt or the output has its logit divided by r when > 0, multiplied by r otherwise), then
    frequency (logit -= f * count) and presence (logit -= p * (count > 0)), where count is the
@@ -684,7 +686,9 @@ def _top_k_candidates(x: torch.Tensor, params: dict[str, torch.Tensor], width: i
     kth = values.gather(1, (params["top_k"] - 1).unsqueeze(1))
     # The kept set is every token >= the k-th value: all among the candidates unless that
     # value's tie run reaches the last candidate. Those rows (exact ties) look further.
-    complete = (values[:, -1:] < kth).squeeze(1) | (width == x.shape[1])
+    # (A k-th value of -inf, where a constraint allows fewer than k tokens, keeps every finite one:
+    # all are candidates already, and the rest weigh nothing.)
+    complete = (values[:, -1:] < kth).squeeze(1) | torch.isneginf(kth).squeeze(1) | (width == x.shape[1])
     if bool(complete.all()):
         return _draw_candidates(values, ids, kth, params, group)
     tokens = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
@@ -734,10 +738,46 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, n] float32, descending
 
 
+@dataclass
+class LogitAdjustments:
+    """What changes some rows' logits before anything else (vLLM's order): a constraint's mask
+    (tokens outside it to -inf) and OpenAI's logit_bias (added), both on the logits' device."""
+
+    mask_rows: torch.Tensor | None = None  # [M] int64: positions of the constrained rows
+    bitmask: torch.Tensor | None = None  # [M, ceil(V / 32)] int32: bit t of a row set: token t allowed
+    bias_rows: torch.Tensor | None = None  # [N] int64: (position, token id, bias) triples
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None  # [N] float32
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_adjustments(logits: torch.Tensor, adjust: LogitAdjustments, workspace: Workspace) -> torch.Tensor:
+    """float32 logits with the adjustments applied, in a workspace buffer (logits left unchanged)."""
+    count, vocab_size = logits.shape
+    out = workspace.take("adjusted", (count, vocab_size), torch.float32, logits.device)
+    out.copy_(logits)
+    if adjust.bitmask is not None:
+        device = logits.device
+        if device not in _BITS:
+            _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        # Bit t of word w is token 32 w + t: unpacked for the constrained rows only.
+        bits = (adjust.bitmask.unsqueeze(2) >> _BITS[device]).bitwise_and_(1)
+        allowed = bits.view(bits.shape[0], -1)[:, :vocab_size]
+        masked = out.index_select(0, adjust.mask_rows).masked_fill_(allowed == 0, -math.inf)
+        out.index_copy_(0, adjust.mask_rows, masked)
+    if adjust.bias_rows is not None:
+        out.index_put_((adjust.bias_rows, adjust.bias_ids), adjust.bias_values, accumulate=True)
+    return out
+
+
 def sample(logits: torch.Tensor, rows: SamplingRows, history: PenaltyHistory | None = None,
-           num_logprobs: int | None = None, workspace: Workspace | None = None) -> SamplerOutput:
+           num_logprobs: int | None = None, workspace: Workspace | None = None,
+           adjust: LogitAdjustments | None = None) -> SamplerOutput:
     """[B, V] logits (any float dtype; left unchanged) -> the next token of every row, and the
     logprobs the rows asked for (num_logprobs: that many top logprobs for every row instead).
+    adjust: constraints' masks and logit biases, applied first (logprobs are the raw logits').
     No device sync unless a stage needs one: three per top_p rejection round (the rows to check,
     the blocks above the drawn tokens, the rows rejected), one for a top_k cut (a tie run past the
     candidates?)."""
@@ -746,7 +786,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows, history: PenaltyHistory | N
         raise ValueError(f"{count} logit rows for {rows.batch_size} sampling rows")
     workspace = _workspace(logits.device, workspace)
     plan = rows.plan(vocab_size)
-    x = apply_penalties(logits, rows, history, workspace) if plan.penalty is not None else logits
+    x = apply_adjustments(logits, adjust, workspace) if adjust is not None else logits
+    x = apply_penalties(x, rows, history, workspace) if plan.penalty is not None else x
     if rows.all_greedy:
         tokens = argmax(x)  # any dtype: float32 changes no argmax
     else:

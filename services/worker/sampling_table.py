@@ -30,6 +30,9 @@ class SamplingTable:
         self._device_floats = torch.from_numpy(self.floats).to(device)
         self._device_ints = torch.from_numpy(self.ints).to(device)
         self._stale = False  # the device copy lags the host copy
+        # logit_bias: each biased row's token ids and biases (few rows have any)
+        self.biased = np.zeros(max_rows, dtype=bool)
+        self._bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_rows
 
     def set(self, row: int, params: "SamplingParams") -> None:
         for index, (name, _) in enumerate(FLOAT_FIELDS):
@@ -39,6 +42,23 @@ class SamplingTable:
         # logprobs: -1 none; n >= 0 the chosen token's and the n most likely tokens' (n <= 20).
         self.ints[:, row] = (params.top_k, params.seed, min(MAX_TOP_LOGPROBS, params.logprobs))
         self._stale = True
+        self.biased[row] = bool(params.logit_bias)
+        self._bias[row] = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self._bias[row] = (np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32))
+
+    def biases(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The logit biases of these table rows as (position among rows, token id, bias) on the
+        device, or None when none of them has any."""
+        positions = np.flatnonzero(self.biased[rows])
+        if positions.size == 0:
+            return None
+        parts = [self._bias[int(rows[position])] for position in positions.tolist()]
+        where = np.repeat(positions, [ids.size for ids, _ in parts])
+        ids = np.concatenate([ids for ids, _ in parts])
+        values = np.concatenate([values for _, values in parts])
+        return tuple(torch.from_numpy(array).to(self.device, non_blocking=True) for array in (where, ids, values))
 
     def rows(self, rows: np.ndarray, output_indices: np.ndarray, vocab_size: int) -> SamplingRows:
         """The sampler's rows for these table rows, in this order."""

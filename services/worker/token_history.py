@@ -73,6 +73,14 @@ class TokenHistory:
         return PenaltyHistory(torch.where(position < prompt_ends, ids, none),
                               torch.where((position >= prompt_ends) & (position < ends), ids, none))
 
+    def outputs(self, row: int, start: int, end: int) -> list[int]:
+        """A tracked row's output tokens start..end-1, where end is the output index it samples now
+        (its history then ends with output end - 1): a matcher catching up replays them."""
+        first = int(self.lengths[row]) - end + start
+        if not self.tracked[row] or first < 0:
+            return []
+        return self._ids[row, first: first + end - start].tolist()
+
     def _fit(self, tokens: int) -> None:
         width = self._ids.shape[1]
         if tokens <= width:
