@@ -131,7 +131,7 @@ def compile_times() -> list[str]:
     cells = []
     for name, schema, _ in SCHEMAS[:10]:
         started = time.perf_counter()
-        compiler.check(StructuredOutput(kind="json", spec=json.dumps(schema, sort_keys=True)))
+        compiler.check(StructuredOutput(kind="json", spec=json.dumps(schema)))
         cells.append(f"{name} {1000 * (time.perf_counter() - started):.1f}")
     return ["Compile time per schema (ms, llguidance, first time): " + ", ".join(cells)]
 

@@ -237,6 +237,7 @@ class Tokenizer:
             self.stop_token_ids = frozenset(stop_ids)
         self._byte_level = _is_byte_level(backend)
         self._chat_template = compile_chat_template(data.chat_template)
+        self.chat_template_source = data.chat_template  # (which tool-call format it speaks: services/gateway/tools.py)
 
     @classmethod
     def from_metadata(cls, metadata: ModelMetadata) -> "Tokenizer":
@@ -271,7 +272,8 @@ class Tokenizer:
         if not chat_template:
             return loaded
         replaced = copy.copy(loaded)
-        replaced._chat_template = compile_chat_template(read_chat_template(chat_template))
+        replaced.chat_template_source = read_chat_template(chat_template)
+        replaced._chat_template = compile_chat_template(replaced.chat_template_source)
         return replaced
 
     def encode(self, text: str) -> list[int]:
@@ -289,18 +291,22 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, as transformers' apply_chat_template(tokenize=False) renders it."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text of a conversation, as transformers' apply_chat_template(tokenize=False) renders
+        it (tools: the functions offered, as OpenAI's `tools` entries, for a template that renders them)."""
         return self._chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **({"tools": tools} if tools is not None else {}),
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         # As transformers' apply_chat_template: the template writes any BOS itself, none is added.
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def backend_json(self) -> str:
         """The tokenizer as tokenizers' JSON (the grammar engine builds its own copy from it)."""

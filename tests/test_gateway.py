@@ -209,6 +209,8 @@ def assert_openai_error(body: dict, param: str | None) -> None:
 
 
 GOOD_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -285,14 +287,37 @@ BAD_REQUESTS = [
      "logit_bias.5"),
     ("prompt_logprobs", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("min_tokens", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_tokens": 4}, 400, "min_tokens"),
-    ("tools", "POST", CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("parallel_tool_calls", "POST", CHAT, {**GOOD_CHAT, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+    # Tools
+    ("tool_choice names an unknown function", "POST", CHAT, {**GOOD_CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}}, 400, "tool_choice"),
+    ("tool_choice without tools", "POST", CHAT, {**GOOD_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tool_choice unknown word", "POST", CHAT, {**GOOD_CHAT, "tools": [TOOL], "tool_choice": "always"}, 400,
+     "tool_choice"),
+    ("two tools of one name", "POST", CHAT, {**GOOD_CHAT, "tools": [TOOL, TOOL]}, 400, "tools"),
+    ("tool parameters not a schema", "POST", CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nothing"}}}]}, 400, "tools"),
+    ("tool name with a space", "POST", CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {
+        "name": "get weather"}}]}, 400, "tools[0].function.name"),
+    ("tool message without a matching call", "POST", CHAT, {**GOOD_CHAT, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}]}, 400, "messages[2].tool_call_id"),
+    ("tool message without tool_call_id", "POST", CHAT, {**GOOD_CHAT, "messages": [
+        {"role": "tool", "content": "sunny"}]}, 400, "messages[0]"),
+    ("call arguments not JSON", "POST", CHAT, {**GOOD_CHAT, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{city"}}]}]}, 400, "messages[0].tool_calls[0].function.arguments"),
+    ("tools with a structured output", "POST", CHAT, {**GOOD_CHAT, "tools": [TOOL],
+                                                      "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("tools on completions", "POST", COMPLETIONS, {**GOOD_COMPLETION, "tools": [TOOL]}, 400, "tools"),
     ("unknown model", "POST", COMPLETIONS, {**GOOD_COMPLETION, "model": "gpt-4"}, 404, "model"),
     ("prompt too long", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "hello " * 9000}, 400, "prompt"),
     ("body too large", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "x" * MAX_BODY_BYTES}, 413, None),
     ("messages missing", "POST", CHAT, {"model": MODEL}, 400, "messages"),
     ("messages empty", "POST", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
-    ("unknown role", "POST", CHAT, {**GOOD_CHAT, "messages": [{"role": "tool", "content": "x"}]},
+    ("unknown role", "POST", CHAT, {**GOOD_CHAT, "messages": [{"role": "robot", "content": "x"}]},
      400, "messages[0].role"),
     ("content number", "POST", CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content"),

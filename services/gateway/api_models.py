@@ -15,7 +15,8 @@ import json
 import random
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from jsonschema import Draft202012Validator, SchemaError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from services.gateway.errors import ApiError, bad_request
 from shared.messages import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
@@ -28,10 +29,8 @@ SEED_RANGE = 2**63  # SamplingParams.seed is in [0, 2**63); wider client seeds a
 UNSUPPORTED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),  # (meaningful with tools only)
     # vLLM's extensions that change what is generated
     "prompt_logprobs": (None,),
     "min_tokens": (None, 0),
@@ -104,10 +103,8 @@ class GenerationParams(StrictBody):
     # Accepted only at their default (see UNSUPPORTED_UNLESS_DEFAULT).
     best_of: Any = None
     suffix: Any = None
-    tools: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     prompt_logprobs: Any = None
     min_tokens: Any = None
     stop_token_ids: Any = None
@@ -233,7 +230,8 @@ class GenerationParams(StrictBody):
         """-1: no logprobs; n >= 0: the chosen token's and the n most likely tokens' (per endpoint)."""
         return -1
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, constraint: StructuredOutput | None = None) -> SamplingParams:
+        """constraint: the output's, when the server sets it (tool calls), else the request's own."""
         seed = random.getrandbits(63) if self.seed is None else self.seed % SEED_RANGE
 
         def given(value, default):
@@ -253,7 +251,7 @@ class GenerationParams(StrictBody):
             stop=self.stop,
             ignore_eos=bool(self.ignore_eos),
             logit_bias=self._logit_bias,
-            structured=structured[0] if (structured := self.structured_output()) else None,
+            structured=constraint or (structured[0] if (structured := self.structured_output()) else None),
         )
 
 
@@ -263,9 +261,15 @@ class CompletionRequest(GenerationParams):
     # The legacy endpoint's logprobs: this many most likely tokens per position, and the chosen one's.
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = None  # the answer's text starts with the prompt's
+    tools: Any = None  # (chat completions' only)
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"`{name}` is for chat completions (/v1/chat/completions)", param=name)
         if self.echo and self.logprobs is not None:
             raise bad_request("`echo` with `logprobs` would need the prompt's log-probabilities, which this server "
                               "does not compute yet", param="echo")
@@ -293,13 +297,75 @@ class TextPart(StrictBody):
     text: str
 
 
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's function names
+
+
+class FunctionCall(StrictBody):
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str  # JSON text of an object
+
+    @field_validator("arguments")
+    @classmethod
+    def json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            raise ValueError("arguments must be JSON text of an object") from None
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be JSON text of an object")
+        return arguments
+
+
+class ToolCall(StrictBody):
+    """A call an assistant made, as a conversation's history carries it."""
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(StrictBody):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(StrictBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(StrictBody):
+    class Function(StrictBody):
+        name: str
+
+    type: Literal["function"]
+    function: Function
+
+
 class ChatMessage(StrictBody):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # None only for an assistant's message that carries tool_calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def roles_fields(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant's message carries tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @field_validator("content")
     @classmethod
-    def text_content(cls, content: Any) -> str:
+    def text_content(cls, content: Any) -> str | None:
+        if content is None:
+            return None
         if isinstance(content, str):
             return text_of(content, "content")
         if isinstance(content, list):
@@ -313,14 +379,27 @@ class ChatMessage(StrictBody):
             return "".join(texts)
         raise ValueError("content must be a string or a list of text parts")
 
-    def as_template_message(self) -> dict[str, str]:
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's convention: a call's arguments as an object)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     echo: Any = None  # (vLLM's chat echo, of the last message: not supported, refused unless false)
-    tool_choice: Any = None  # meaningless without tools, which are refused
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Any = None  # "none", "auto", "required" or a NamedToolChoice (read by check_supported)
+    parallel_tool_calls: bool | None = None  # default true: an answer may make several calls
     logprobs: bool | None = None  # the chosen tokens' log-probabilities
     top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens' (needs logprobs)
 
@@ -328,11 +407,54 @@ class ChatCompletionRequest(GenerationParams):
         super().check_supported()
         if self.echo not in (None, False):
             raise bad_request(f"`echo`={_short(self.echo)} is not supported on chat completions", param="echo")
+        self._check_tools()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
 
     def top_logprobs_wanted(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else -1
+
+    def _check_tools(self) -> None:
+        if isinstance(self.tool_choice, dict):
+            try:
+                self.tool_choice = NamedToolChoice.model_validate(self.tool_choice)
+            except ValidationError as error:
+                raise bad_request("`tool_choice` must be none, auto, required or {\"type\": \"function\", "
+                                  f"\"function\": {{\"name\": ...}}}}: {error.errors()[0]['msg']}",
+                                  param="tool_choice") from None
+        elif self.tool_choice not in (None, "none", "auto", "required"):
+            raise bad_request(f"`tool_choice` must be none, auto, required or a named function, got "
+                              f"{_short(self.tool_choice)}", param="tool_choice")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise bad_request("two tools have the same name", param="tools")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise bad_request("`tool_choice` needs `tools`", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise bad_request(f"`tool_choice` names the function {_short(self.tool_choice.function.name)}, which "
+                              f"is not among the tools ({', '.join(names)})", param="tool_choice")
+        if self.tools_active and self.structured_output() is not None:
+            raise bad_request("a structured output with tools is not supported: give one or the other",
+                              param=self.structured_output()[1])
+        for tool in self.tools or ():
+            if tool.function.parameters is not None:
+                try:
+                    Draft202012Validator.check_schema(tool.function.parameters)
+                except SchemaError as error:
+                    raise bad_request(f"tool {tool.function.name}'s parameters are not a JSON Schema: "
+                                      f"{error.message}", param="tools") from None
+        calls: set[str] = set()
+        for position, message in enumerate(self.messages):
+            for call in message.tool_calls or ():
+                calls.add(call.id)
+            if message.role == "tool" and message.tool_call_id not in calls:
+                raise bad_request(f"message {position} answers the tool call {_short(message.tool_call_id)}, which "
+                                  "no assistant message before it made", param=f"messages[{position}].tool_call_id")
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the model is offered the tools (tool_choice none offers them not)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def _response_format(value: Any) -> tuple[StructuredOutput, str]:
@@ -374,7 +496,7 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
                 raise bad_request(f"`{param}` is not valid JSON: {error}", param=param) from None
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"`{param}` must be a JSON Schema (an object)", param=param)
-        spec = json.dumps(value, sort_keys=True)
+        spec = json.dumps(value)  # (in its own key order: an object's properties are written in it)
     elif kind == "choice":
         if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
                 or not all(isinstance(item, str) and item for item in value)):

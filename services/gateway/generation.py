@@ -33,8 +33,9 @@ from services.gateway.responses import (
 )
 from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
 from services.gateway.store import RequestState
+from services.gateway.tools import ToolPlan, parse_answer, plan_tools
 from shared.grammar import InvalidConstraint
-from shared.messages import RequestRecord, TokenEvent
+from shared.messages import RequestRecord, StructuredOutput, TokenEvent
 
 log = logging.getLogger("iterserve.gateway")
 
@@ -64,10 +65,15 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     params = parse_body(endpoint.request_type, await request.read(), limits)
     model = state.model(params.model)
     await check_output_controls(model, params)
-    prompt_token_ids = await tokenize_prompt(model, endpoint, params)
+    tools = None
+    if endpoint.is_chat:  # the tools offered and the calls made so far (services/gateway/tools.py)
+        tools = plan_tools(params, model.tokenizer.chat_template_source)
+        if tools.constraint is not None:
+            await _check_constraint(model, tools.constraint, "tools")
+    prompt_token_ids = await tokenize_prompt(model, endpoint, params, tools)
     max_tokens = resolve_max_tokens(state, model, endpoint, params, len(prompt_token_ids))
     request_id = endpoint.new_request_id()
-    sampling = params.sampling_params(max_tokens)
+    sampling = params.sampling_params(max_tokens, tools.constraint if tools else None)
     client_key = request.get(CLIENT_KEY, OPEN_KEY_ID)
     record = RequestRecord(
         request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time,
@@ -88,6 +94,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     state.metrics.vllm.of(model.name).prompt_tokens.inc(len(prompt_token_ids))
     answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
                     logprobs=sampling.logprobs >= 0)
+    answer.tool_format = tools.format if tools and tools.format != "none" else None
     if getattr(params, "echo", None) is True:  # completions: the text starts with the prompt's
         answer.echo = params.prompt if isinstance(params.prompt, str) else model.tokenizer.decode(prompt_token_ids)
     answer.ticket = ticket
@@ -133,21 +140,26 @@ async def check_output_controls(model: GatewayModel, params: GenerationParams) -
     structured = params.structured_output()
     if structured is None:
         return
-    constraint, param = structured
+    await _check_constraint(model, *structured)
+
+
+async def _check_constraint(model: GatewayModel, constraint: StructuredOutput, param: str) -> None:
     try:
         await asyncio.to_thread(model.check_constraint, constraint)
     except InvalidConstraint as error:
         raise bad_request(f"`{param}` cannot be used as a constraint: {error}", param=param) from None
 
 
-async def tokenize_prompt(model: GatewayModel, endpoint: Endpoint, params: GenerationParams) -> list[int]:
+async def tokenize_prompt(model: GatewayModel, endpoint: Endpoint, params: GenerationParams,
+                          tools: ToolPlan | None = None) -> list[int]:
     tokenizer = model.tokenizer
     if endpoint.is_chat:
-        messages = [message.as_template_message() for message in params.messages]
-        size = sum(len(message["content"]) for message in messages)
+        messages = tools.messages if tools else [message.as_template_message() for message in params.messages]
+        template_tools = tools.template_tools if tools else None
+        size = sum(len(message["content"] or "") for message in messages)
 
         def work() -> list[int]:
-            return tokenizer.encode_chat(messages)
+            return tokenizer.encode_chat(messages, tools=template_tools)
     elif isinstance(params.prompt, str):
         size = len(params.prompt)
 
@@ -163,7 +175,7 @@ async def tokenize_prompt(model: GatewayModel, endpoint: Endpoint, params: Gener
     try:
         if work is not None:
             token_ids = await asyncio.to_thread(work) if size > INLINE_TOKENIZE_CHARS else work()
-    except TemplateError as error:  # the chat template refuses a conversation (e.g. roles out of order)
+    except (TemplateError, TypeError) as error:  # the template refuses a conversation (e.g. roles out of order)
         raise bad_request(f"the chat template refused these messages: {error}", param="messages") from None
     if not token_ids:
         raise bad_request("the prompt is empty", param=endpoint.prompt_param)
@@ -240,6 +252,7 @@ class Answer:
         self.resubmit: Callable[[], Awaitable[None]] | None = None
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # every token's, in order
         self.echo = ""  # the prompt's text, answered before the output's (completions' echo)
+        self.tool_format: str | None = None  # the answer may hold tool calls in this format: read at its end
         self._logprobs_sent = 0  # how many of them a stream has sent
         self._characters = 0  # length of the text so far (the next token's text_offset)
 
@@ -350,6 +363,12 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
     token_usage = answer.finish(event)
     if event.finish_reason == "error":
         raise request_failed(answer.request_id)
+    if answer.tool_format:
+        parsed = parse_answer(answer.tool_format, answer.text, answer.request_id)
+        finish_reason = "tool_calls" if parsed.tool_calls and event.finish_reason == "stop" else event.finish_reason
+        body = final_body(answer.endpoint, answer.request_id, answer.created, answer.model.name, parsed.content,
+                          finish_reason, token_usage, answer.logprobs_body(), tool_calls=parsed.tool_calls)
+        return web.json_response(body)
     body = final_body(
         answer.endpoint, answer.request_id, answer.created, answer.model.name,
         answer.echo + answer.text, event.finish_reason, token_usage, answer.logprobs_body(),
@@ -428,7 +447,7 @@ async def _stream_events(
                 continue
             answer.add(event)
             if event.finish_reason is None:
-                if event.text:
+                if event.text and not answer.tool_format:  # (an answer that may call tools is read whole)
                     await response.write(chunks.text(event.text, resume_from=event.index + 1,
                                                      logprobs=answer.unsent_logprobs()))
                     last_write = time.monotonic()
@@ -436,6 +455,15 @@ async def _stream_events(
             token_usage = answer.finish(event)  # from here on the request is over: nothing to cancel
             if event.finish_reason == "error":
                 await response.write(sse(request_failed(answer.request_id).body()))
+            elif answer.tool_format:
+                parsed = parse_answer(answer.tool_format, answer.text, answer.request_id)
+                finish_reason = ("tool_calls" if parsed.tool_calls and event.finish_reason == "stop"
+                                 else event.finish_reason)
+                await response.write(chunks.answer(parsed.content, parsed.tool_calls, finish_reason,
+                                                   resume_from=event.index + 1 if event.token_id >= 0 else None,
+                                                   logprobs=answer.unsent_logprobs()))
+                if include_usage:
+                    await response.write(chunks.usage(token_usage))
             else:
                 # An end without a token adds none: its chunk carries no id (its index counts the tokens
                 # the scheduler applied, which may be fewer than the stream carried: docs/protocol.md)

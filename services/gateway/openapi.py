@@ -106,7 +106,7 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
                        "prompt_tokens_details": {"type": "object", "properties": {
                            "cached_tokens": {"type": "integer", "minimum": 0}}}},
     }  # fmt: skip
-    finish_reason = {"type": "string", "enum": ["stop", "length", "cancelled"]}
+    finish_reason = {"type": "string", "enum": ["stop", "length", "cancelled", "tool_calls"]}
     model = {"type": "string", "enum": [model_name]}
     generation = _generation_properties(settings, context_length)
     return {
@@ -164,7 +164,9 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
                         "type": "object",
                         "required": ["role", "content"],
                         "properties": {
-                            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant",
+                                                                "tool"]},
+                            "tool_call_id": _nullable({"type": "string"}),
                             "content": {
                                 "oneOf": [
                                     {"type": "string"},
@@ -187,6 +189,16 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
                 "logprobs": _nullable({"type": "boolean"}),
                 "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20,
                                            "description": "needs logprobs: true"}),
+                "tools": _nullable({"type": "array", "maxItems": 8, "items": {
+                    "type": "object", "required": ["type", "function"], "properties": {
+                        "type": {"type": "string", "enum": ["function"]},
+                        "function": {"type": "object", "required": ["name"], "properties": {
+                            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                            "description": {"type": "string"},
+                            "parameters": {"type": "object"}}}}}}),
+                "tool_choice": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                                    {"type": "object"}]}),
+                "parallel_tool_calls": _nullable({"type": "boolean"}),
                 **generation,
             },
         },
@@ -194,7 +206,8 @@ def _schemas(settings: Settings, model_name: str, context_length: int, vocab_siz
         "ChatCompletion": _answer_schema("chat.completion", "message", {
             "type": "object",
             "required": ["role", "content"],
-            "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+            "properties": {"role": {"type": "string"}, "content": _nullable({"type": "string"}),
+                           "tool_calls": {"type": "array", "items": {"type": "object"}}},
         }, finish_reason, usage),
         "Model": {
             "type": "object",

@@ -83,11 +83,13 @@ def logprobs_body(endpoint: Endpoint, entries: list[TokenLogprob] | None, tokeni
 
 
 def final_body(
-    endpoint: Endpoint, request_id: str, created: int, model: str, text: str, finish_reason: str, token_usage: dict,
-    logprobs: dict | None = None,
+    endpoint: Endpoint, request_id: str, created: int, model: str, text: str | None, finish_reason: str,
+    token_usage: dict, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
 ) -> dict:
     if endpoint.is_chat:
         message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -130,6 +132,22 @@ class ChunkWriter:
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._event([choice], event_id=resume_from)
+
+    def answer(self, content: str | None, tool_calls: list[dict], finish_reason: str, resume_from: int | None,
+               logprobs: dict | None) -> bytes:
+        """A chat answer that may call tools, sent whole at its end: its content, or its calls as
+        OpenAI's delta.tool_calls (each call whole in one delta, with its index), then the finish."""
+        events = b""
+        if tool_calls:
+            delta = {"tool_calls": [{"index": index, **call} for index, call in enumerate(tool_calls)]}
+            events += self._event([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            logprobs = None
+        elif content:
+            events += self._event([{"index": 0, "delta": {"content": content}, "logprobs": logprobs,
+                                    "finish_reason": None}])
+            logprobs = None
+        return events + self._event([{"index": 0, "delta": {}, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}], event_id=resume_from)
 
     def usage(self, token_usage: dict) -> bytes:
         return self._event([], token_usage)

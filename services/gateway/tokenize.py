@@ -44,7 +44,7 @@ async def tokenize(request: web.Request) -> web.Response:
     tokenizer = model.tokenizer
     if body.messages is not None:
         messages = [message.as_template_message() for message in body.messages]
-        size = sum(len(message["content"]) for message in messages)
+        size = sum(len(message["content"] or "") for message in messages)
 
         def work() -> list[int]:
             return tokenizer.encode_chat(messages, body.add_generation_prompt)
@@ -57,7 +57,7 @@ async def tokenize(request: web.Request) -> web.Response:
             return tokenizer.encode_prompt(body.prompt)
     try:
         token_ids = await asyncio.to_thread(work) if size > INLINE_CHARS else work()
-    except TemplateError as error:
+    except (TemplateError, TypeError) as error:
         raise bad_request(f"the chat template refused these messages: {error}", param="messages") from None
     answer: dict[str, Any] = {"count": len(token_ids), "max_model_len": model.context_length, "tokens": token_ids,
                               "token_strs": None}
