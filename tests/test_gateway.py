@@ -242,7 +242,8 @@ BAD_REQUESTS = [
     ("five stop strings", "POST", COMPLETIONS, {**GOOD_COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("empty stop string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
     ("seed string", "POST", COMPLETIONS, {**GOOD_COMPLETION, "seed": "1"}, 400, "seed"),
-    ("n=2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    ("n=17", "POST", COMPLETIONS, {**GOOD_COMPLETION, "n": 17}, 400, "n"),
+    ("n=0", "POST", COMPLETIONS, {**GOOD_COMPLETION, "n": 0}, 400, "n"),
     ("presence_penalty above 2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "presence_penalty": 2.5}, 400,
      "presence_penalty"),
     ("frequency_penalty below -2", "POST", COMPLETIONS, {**GOOD_COMPLETION, "frequency_penalty": -3}, 400,
@@ -324,7 +325,7 @@ BAD_REQUESTS = [
     ("image part", "POST", CHAT,
      {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content"),
-    ("chat n=2", "POST", CHAT, {**GOOD_CHAT, "n": 2}, 400, "n"),
+    ("chat n=17", "POST", CHAT, {**GOOD_CHAT, "n": 17}, 400, "n"),
     ("chat logprobs not bool", "POST", CHAT, {**GOOD_CHAT, "logprobs": 3}, 400, "logprobs"),
     ("top_logprobs above 20", "POST", CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21}, 400,
      "top_logprobs"),
@@ -359,10 +360,10 @@ async def test_bad_input_gets_openai_error_then_a_good_request_succeeds(
     assert good["choices"][0]["text"] == " w0 w1 w2"
 
 
-async def test_n2_error_says_what_is_unsupported(gateway):
-    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "n": 2})
+async def test_n_above_the_limit_says_the_limit(gateway):
+    status, body = await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "n": 17})
     assert status == 400
-    assert "n=2" in body["error"]["message"] and "n=1" in body["error"]["message"], body
+    assert "1 to 16" in body["error"]["message"] and "17" in body["error"]["message"], body
 
 
 async def test_prompt_too_long_is_refused_with_context_length_code(gateway, scheduler):
@@ -997,3 +998,64 @@ async def test_echo_starts_the_completion_with_the_prompt(gateway, scheduler, to
         payloads = await read_sse(response)
     texts = [json.loads(payload)["choices"][0]["text"] for payload in payloads[:-1]]
     assert texts[0] == GOOD_COMPLETION["prompt"] and "".join(texts) == GOOD_COMPLETION["prompt"] + " w0 w1 w2"
+
+
+async def stored_record(redis_client, request_id: str) -> RequestRecord | None:
+    raw = await redis_client.hget(keys.request_key(request_id), "record")
+    return None if raw is None else decode(RequestRecord, raw)
+
+
+async def test_n_choices_each_a_request_of_its_own_seed_submitted_after_the_first_token(
+        gateway, held_scheduler, redis_client):
+    """Choice i is the request `<id>.i` with the seed seed + i; choices 1.. are submitted once choice 0
+    has its first token (its prompt cached by then: the prefill is done once)."""
+    async with asyncio.timeout(WAIT_SECONDS):
+        pending = asyncio.create_task(gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "n": 3, "seed": 7}))
+        await wait_until(lambda: redis_client.xlen(keys.NEW_REQUESTS_STREAM), "choice 0 submitted")
+        await asyncio.sleep(0.3)
+        assert await redis_client.xlen(keys.NEW_REQUESTS_STREAM) == 1, "the other choices went before choice 0's token"
+        held_scheduler.release()
+        response = await pending
+        body = await response.json()
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+    assert all(choice["text"] == " w0 w1 w2" for choice in body["choices"]), body
+    assert body["usage"]["completion_tokens"] == 9 and body["usage"]["prompt_tokens"] == 1  # (counted once)
+    records = [await stored_record(redis_client, request_id)
+               for request_id in (body["id"], f"{body['id']}.1", f"{body['id']}.2")]
+    assert [record.sampling.seed for record in records] == [7, 8, 9]
+
+
+async def test_n_choices_streamed_with_their_indexes(gateway, scheduler):
+    async with asyncio.timeout(WAIT_SECONDS):
+        response = await gateway.post(CHAT, json={**GOOD_CHAT, "n": 2, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+        payloads = await read_sse(response)
+    chunks = [json.loads(payload) for payload in payloads[:-1]]
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content", "")
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: " w0 w1 w2", 1: " w0 w1 w2"} and finishes == {0: "length", 1: "length"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_cancelling_an_answer_of_n_choices_cancels_every_choice(gateway, redis_client):
+    slow = FakeScheduler(redis_client, delay=0.2)
+    async with running(slow):
+        async with asyncio.timeout(WAIT_SECONDS):
+            pending = asyncio.create_task(gateway.post(COMPLETIONS, json={**GOOD_COMPLETION, "n": 3,
+                                                                          "max_tokens": 50}))
+            async def three() -> bool:
+                return await redis_client.xlen(keys.NEW_REQUESTS_STREAM) == 3
+
+            await wait_until(three, "all three choices submitted")
+            entries = await redis_client.xrange(keys.NEW_REQUESTS_STREAM)
+            request_id = entries[0][1][b"id"].decode()
+            response = await gateway.delete(f"/v1/requests/{request_id}")
+            assert response.status == 200
+            answer = await (await pending).json()
+        assert {request_id, f"{request_id}.1", f"{request_id}.2"} <= slow.cancelled
+        assert all(choice["finish_reason"] == "cancelled" for choice in answer["choices"]), answer

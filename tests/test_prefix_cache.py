@@ -412,7 +412,7 @@ def test_an_item_whose_penalty_history_would_have_a_gap_is_refused_not_run():
                    cached_blocks=(b"p" * 16, b"q" * 16)),)))
     outcome = engine.step([prefill_item("b", [28], start=8)])
     assert not outcome.tokens and [(error.request_id, error.code) for error in outcome.errors] == [("b", "bad_item")]
-    assert "penalty history" in outcome.errors[0].message
+    assert "token history" in outcome.errors[0].message
     with pytest.raises(CacheMismatch):  # tokens that do not fill the blocks: the plan is refused
         engine.take_plan(BatchPlan(scheduler_epoch="e", plan_id=3, worker_id="w", new_requests=(
             NewRequest(request_id="c", sampling=SamplingParams(max_tokens=4, **PENALTIES),

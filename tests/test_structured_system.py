@@ -19,6 +19,7 @@ from benchmarks.schemas import SCHEMAS
 from shared.messages import SamplingParams, StructuredOutput
 from tests.cluster import Cluster
 from tests.engine_helpers import generate_alone
+from tests.test_prefix_cache_system import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 MODEL = "smollm2-135m-instruct"
@@ -137,7 +138,8 @@ def test_constrained_outputs_are_exact_after_sigkill_preemption_and_without_pref
             admitted_before = len(cluster.log_events("scheduler", "admitted request_id="))
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(complete, cluster, PROMPTS[2], extra)
-                line = _wait(lambda: cluster.log_events("scheduler", "admitted request_id=")[admitted_before:])[0][1]
+                line = wait_for(lambda: cluster.log_events("scheduler", "admitted request_id=")[admitted_before:],
+                                "the request admitted")[0][1]
                 holder = dict(re.findall(r"(\w+)=(\S+)", line))["worker_id"]
                 time.sleep(1.5)  # some of its tokens decoded there
                 cluster.kill(cluster.name_of_worker(holder))
@@ -161,12 +163,3 @@ def test_constrained_outputs_are_exact_after_sigkill_preemption_and_without_pref
             answer = complete(cluster, prompt, fields[0])
             assert answer["choices"][0]["text"] == oracles[(prompt, 0)]
 
-
-def _wait(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("timed out")

@@ -55,6 +55,7 @@ UNSUPPORTED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
 MAX_CHOICES = 256  # strings of one guided_choice
+MAX_N = 16  # choices of one request (n)
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar, as JSON text
 
 
@@ -127,11 +128,9 @@ class GenerationParams(StrictBody):
 
     @field_validator("n")
     @classmethod
-    def only_one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(
-                f"n={n} is not supported: this server returns exactly one choice (n=1); send separate requests"
-            )
+    def choices_within_limit(cls, n: int | None) -> int | None:
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be 1 to {MAX_N}, got {n}")
         return n
 
     @field_validator("stop")

@@ -13,14 +13,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.admission import Admission, load_api_keys
+from services.gateway.api_models import MAX_N
 from services.gateway.dashboard import dashboard_events, dashboard_page
 from services.gateway.errors import ApiError, ServiceUnavailable, error_body, internal_error, unknown_request
 from services.gateway.generation import create_chat_completion, create_completion, reattach_stream, visible_to
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
-from services.gateway.tokenize import detokenize, tokenize
 from services.gateway.state import ANSWER, CLIENT_KEY, ENDPOINT, STATE, GatewayModel, GatewayState
 from services.gateway.store import REDIS_TIMEOUT_SECONDS, ClusterView, RequestState, Store
+from services.gateway.tokenize import detokenize, tokenize
 from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata, serving_config
@@ -243,6 +244,7 @@ async def cancel_request(request: web.Request) -> web.Response:
     if request_state is None or not visible_to(request, request_state):
         raise unknown_request(request_id)
     cancelled = not request_state.terminal
+    await _cancel_other_choices(state, request_id, state.model_of(request_state).keys)
     if cancelled:
         await state.store.cancel(request_id, state.model_of(request_state).keys)
         # Answer with how the request ended, not with what was asked: a cancel that reaches the
@@ -254,6 +256,19 @@ async def cancel_request(request: web.Request) -> web.Response:
     return web.json_response(
         {"id": request_id, "object": "request.cancel", "status": request_state.status, "cancelled": cancelled}
     )
+
+
+async def _cancel_other_choices(state: GatewayState, request_id: str, keys) -> None:
+    """An answer of n choices: its id names choice 0, and cancelling it cancels the others
+    (`<id>.1`, `<id>.2`, ...: services/gateway/choices.py)."""
+    if "." in request_id:
+        return
+    for index in range(1, MAX_N):
+        other = await state.store.request_state(f"{request_id}.{index}")
+        if other is None:
+            return
+        if not other.terminal:
+            await state.store.cancel(f"{request_id}.{index}", keys)
 
 
 async def _ended(state: GatewayState, request_id: str, timeout: float) -> RequestState | None:

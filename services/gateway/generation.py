@@ -79,6 +79,11 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling, arrival_time=arrival_time,
         client_key=client_key,
     )
+    choices = params.n or 1
+    if choices > 1:  # n > 1: each choice a request of its own (services/gateway/choices.py)
+        from services.gateway.choices import generate_choices
+
+        return await generate_choices(request, state, model, endpoint, params, record, tools, started, choices)
     ticket = await admit(state, model, client_key, len(prompt_token_ids))
     try:
         await state.store.submit(record, model.name, model.keys)
@@ -92,13 +97,8 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     )  # fmt: skip
     state.metrics.prompt_tokens.inc(len(prompt_token_ids))
     state.metrics.vllm.of(model.name).prompt_tokens.inc(len(prompt_token_ids))
-    answer = Answer(state, model, endpoint, request_id, int(arrival_time), len(prompt_token_ids), started=started,
-                    logprobs=sampling.logprobs >= 0)
-    answer.tool_format = tools.format if tools and tools.format != "none" else None
-    if getattr(params, "echo", None) is True:  # completions: the text starts with the prompt's
-        answer.echo = params.prompt if isinstance(params.prompt, str) else model.tokenizer.decode(prompt_token_ids)
+    answer = new_answer(state, model, endpoint, params, record, tools, started)
     answer.ticket = ticket
-    answer.resubmit = lambda: state.store.submit(record, model.name, model.keys)
     request[ANSWER] = answer
     try:
         with state.metrics.in_flight.track_inprogress():
@@ -107,6 +107,19 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
             return await whole_answer(request, answer)
     finally:
         ticket.close()
+
+
+def new_answer(state: GatewayState, model: GatewayModel, endpoint: Endpoint, params: GenerationParams,
+               record: RequestRecord, tools: ToolPlan | None, started: float) -> "Answer":
+    """The answer that follows one accepted request (submitted again from it if Redis lost it)."""
+    answer = Answer(state, model, endpoint, record.request_id, int(record.arrival_time), len(record.prompt_token_ids),
+                    started=started, logprobs=record.sampling.logprobs >= 0)
+    answer.tool_format = tools.format if tools and tools.format != "none" else None
+    if getattr(params, "echo", None) is True:  # completions: the text starts with the prompt's
+        prompt = params.prompt
+        answer.echo = prompt if isinstance(prompt, str) else model.tokenizer.decode(record.prompt_token_ids)
+    answer.resubmit = lambda: state.store.submit(record, model.name, model.keys)
+    return answer
 
 
 async def admit(state: GatewayState, model: GatewayModel, client_key: str, prompt_tokens: int) -> Ticket:
@@ -253,6 +266,8 @@ class Answer:
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # every token's, in order
         self.echo = ""  # the prompt's text, answered before the output's (completions' echo)
         self.tool_format: str | None = None  # the answer may hold tool calls in this format: read at its end
+        self.index = 0  # its choice (n > 1)
+        self.first_token = asyncio.Event()  # set at its first token, or at its end
         self._logprobs_sent = 0  # how many of them a stream has sent
         self._characters = 0  # length of the text so far (the next token's text_offset)
 
@@ -272,6 +287,7 @@ class Answer:
             self.tokens_seen += 1
             if self.first_token_at is None:
                 self.first_token_at = now
+                self.first_token.set()
                 if self.ticket is not None:
                     self.ticket.started()
                 if self.started is not None:
@@ -285,6 +301,7 @@ class Answer:
     def finish(self, event: TokenEvent) -> dict:
         """Record the final event; returns the usage block."""
         self.finished = True
+        self.first_token.set()
         prompt_tokens = event.prompt_tokens or self.prompt_tokens
         completion_tokens = event.completion_tokens or (self.start_index + self.tokens_seen)
         if event.token_id < 0:

@@ -55,7 +55,8 @@ def _generation_properties(settings: Settings, context_length: int) -> dict[str,
         "stream_options": _nullable(
             {"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}
         ),
-        "n": _nullable({"type": "integer", "enum": [1]}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": 4,
+                        "description": "choices (at most 16; the document says 4 to keep fuzzed requests short)"}),
         "ignore_eos": _nullable({"type": "boolean", "description": "extension: do not stop at end-of-sequence"}),
         "user": _nullable({"type": "string"}),
         "logit_bias": _nullable({"type": "object", "description": "token id (a string) -> bias added to its logit",

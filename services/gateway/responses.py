@@ -86,19 +86,28 @@ def final_body(
     endpoint: Endpoint, request_id: str, created: int, model: str, text: str | None, finish_reason: str,
     token_usage: dict, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
 ) -> dict:
+    return whole_body(endpoint, request_id, created, model,
+                      [final_choice(endpoint, 0, text, finish_reason, logprobs, tool_calls)], token_usage)
+
+
+def final_choice(endpoint: Endpoint, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
+                 tool_calls: list[dict] | None = None) -> dict:
     if endpoint.is_chat:
         message = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def whole_body(endpoint: Endpoint, request_id: str, created: int, model: str, choices: list[dict],
+               token_usage: dict) -> dict:
     return {
         "id": request_id,
         "object": endpoint.object_name,
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": token_usage,
     }
 
@@ -117,36 +126,36 @@ class ChunkWriter:
             chunk["usage"] = token_usage  # null on every chunk but the last, as OpenAI does
         return sse(chunk, event_id)
 
-    def role(self) -> bytes:
-        """The first chat chunk: it names the role, as OpenAI's does."""
+    def role(self, index: int = 0) -> bytes:
+        """The first chat chunk (of each choice): it names the role, as OpenAI's does."""
         delta = {"role": "assistant", "content": ""}
-        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self._event([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def text(self, text: str, finish_reason: str | None = None, resume_from: int | None = None,
-             logprobs: dict | None = None) -> bytes:
+             logprobs: dict | None = None, index: int = 0) -> bytes:
         """resume_from: the output index a reader that got this chunk re-attaches from (SSE `id:`).
-        logprobs: those of the tokens whose text this chunk carries."""
+        logprobs: those of the tokens whose text this chunk carries. index: the choice's."""
         if self.endpoint.is_chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._event([choice], event_id=resume_from)
 
     def answer(self, content: str | None, tool_calls: list[dict], finish_reason: str, resume_from: int | None,
-               logprobs: dict | None) -> bytes:
+               logprobs: dict | None, index: int = 0) -> bytes:
         """A chat answer that may call tools, sent whole at its end: its content, or its calls as
         OpenAI's delta.tool_calls (each call whole in one delta, with its index), then the finish."""
         events = b""
         if tool_calls:
-            delta = {"tool_calls": [{"index": index, **call} for index, call in enumerate(tool_calls)]}
-            events += self._event([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            delta = {"tool_calls": [{"index": position, **call} for position, call in enumerate(tool_calls)]}
+            events += self._event([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
             logprobs = None
         elif content:
-            events += self._event([{"index": 0, "delta": {"content": content}, "logprobs": logprobs,
+            events += self._event([{"index": index, "delta": {"content": content}, "logprobs": logprobs,
                                     "finish_reason": None}])
             logprobs = None
-        return events + self._event([{"index": 0, "delta": {}, "logprobs": logprobs,
+        return events + self._event([{"index": index, "delta": {}, "logprobs": logprobs,
                                       "finish_reason": finish_reason}], event_id=resume_from)
 
     def usage(self, token_usage: dict) -> bytes:

@@ -424,15 +424,16 @@ class Engine(RequestRows):
         return adjust
 
     def _with_whole_history(self, items: Sequence["StepItem"], outcome: StepOutcome) -> Sequence["StepItem"]:
-        """The items, but those of rows with penalties whose history would have a gap (tokens before
-        the item's start that the row was neither fed nor given): a penalty over part of a request's
-        tokens is a wrong output, so such an item is refused (the scheduler rebuilds the request)."""
+        """The items, but those of rows with penalties or a constraint whose history would have a gap
+        (tokens before the item's start that the row was neither fed nor given): a penalty over part
+        of a request's tokens, or a constraint replayed from part of its output, is a wrong output, so
+        such an item is refused (the scheduler rebuilds the request)."""
         kept, tracked, lengths = [], self._history.tracked, self._history.lengths
         for item in items:
             row = self._row_of.get(item.request_id)
             if row is not None and tracked[row] and item.start_position > lengths[row]:
                 outcome.errors.append(ItemRefusal(
-                    item.request_id, "bad_item", f"its penalty history holds {lengths[row]} tokens, but the item "
+                    item.request_id, "bad_item", f"its token history holds {lengths[row]} tokens, but the item "
                                                  f"starts at {item.start_position}"))
                 continue
             kept.append(item)
