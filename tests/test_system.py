@@ -181,7 +181,7 @@ BAD_INPUTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_p": 2}).encode(), 400),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 3}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 17}).encode(), 400),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hello " * 9000}).encode(), 400),
     ("/v1/completions", json.dumps({"model": "gpt-17", "prompt": "x"}).encode(), 404),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400),

@@ -79,7 +79,10 @@ def test_a_generic_history_writes_calls_and_results_as_json():
 
 
 def test_parallel_tool_calls_false_allows_one_call(tokenizer):
+    two = tokenizer.encode(CALLS["hermes"] + "\n" + CALLS["hermes"])  # (as Qwen writes them: a line apart)
+    several = GrammarCompiler(tokenizer).matcher(plan_tools(request(tool_choice="required"),
+                                                            TEMPLATES["hermes"]).constraint)
+    assert several.try_consume_tokens(two) == len(two) and several.is_accepting()
     plan = plan_tools(request(tool_choice="required", parallel_tool_calls=False), TEMPLATES["hermes"])
     matcher = GrammarCompiler(tokenizer).matcher(plan.constraint)
-    two = tokenizer.encode(CALLS["hermes"] + CALLS["hermes"])
     assert matcher.try_consume_tokens(two) < len(two)

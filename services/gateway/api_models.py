@@ -186,9 +186,15 @@ class GenerationParams(StrictBody):
                 raise bad_request("`structured_outputs` must be an object", param=name)
             kinds = {key: item for key, item in value.items() if key in ("json", "regex", "choice", "grammar",
                                                                          "json_object") and item not in (None, False)}
+            # (backend and disable_fallback choose vLLM's engine; this server has one, and writes JSON
+            # without whitespace whatever disable_any_whitespace says. What would change the output
+            # otherwise is refused unless at its default.)
             unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object", "backend",
                                             "disable_fallback", "disable_any_whitespace",
                                             "disable_additional_properties", "whitespace_pattern"})
+            unknown += [key for key, default in (("disable_additional_properties", False),
+                                                 ("whitespace_pattern", None))
+                        if key in value and value[key] not in (default, None)]
             if unknown:
                 raise bad_request(f"`structured_outputs.{unknown[0]}` is not supported by this server",
                                   param=f"{name}.{unknown[0]}")

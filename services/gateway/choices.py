@@ -19,6 +19,15 @@ from aiohttp import web
 
 from services.gateway.api_models import SEED_RANGE, GenerationParams
 from services.gateway.errors import ApiError
+from services.gateway.generation import (
+    KEEPALIVE_SECONDS,
+    ClientGone,
+    admit,
+    answer_parts,
+    new_answer,
+    request_failed,
+    transport_closed,
+)
 from services.gateway.responses import (
     DONE_EVENT,
     KEEPALIVE_EVENT,
@@ -30,7 +39,7 @@ from services.gateway.responses import (
     whole_body,
 )
 from services.gateway.state import ANSWER, CLIENT_KEY, GatewayModel, GatewayState
-from services.gateway.tools import ToolPlan, parse_answer
+from services.gateway.tools import ToolPlan
 from shared.messages import RequestRecord
 
 log = logging.getLogger("iterserve.gateway")
@@ -43,8 +52,6 @@ def choice_id(request_id: str, index: int) -> str:
 async def generate_choices(request: web.Request, state: GatewayState, model: GatewayModel, endpoint: Endpoint,
                            params: GenerationParams, record: RequestRecord, tools: ToolPlan | None, started: float,
                            count: int) -> web.StreamResponse:
-    from services.gateway.generation import ClientGone, admit, new_answer, request_failed, transport_closed
-
     records = [record.model_copy(update={
         "request_id": choice_id(record.request_id, index),
         "sampling": record.sampling.model_copy(update={"seed": (record.sampling.seed + index) % SEED_RANGE})})
@@ -119,7 +126,7 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
                 if event is None:
                     if transport_closed(request):
                         raise ClientGone
-                    if response is not None and time.monotonic() - last_write > 10.0:
+                    if response is not None and time.monotonic() - last_write > KEEPALIVE_SECONDS:
                         await response.write(KEEPALIVE_EVENT)
                         last_write = time.monotonic()
                     continue
@@ -168,21 +175,13 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
             ticket.close()
 
 
-def _finish_reason(answer, event) -> tuple[str | None, list[dict], str]:
-    if not answer.tool_format:
-        return answer.echo + answer.text, [], event.finish_reason
-    parsed = parse_answer(answer.tool_format, answer.text, answer.request_id)
-    finish = "tool_calls" if parsed.tool_calls and event.finish_reason == "stop" else event.finish_reason
-    return parsed.content, parsed.tool_calls, finish
-
-
 def _whole_choice(answer, event) -> dict:
-    content, calls, finish = _finish_reason(answer, event)
+    content, calls, finish = answer_parts(answer, event)
     return final_choice(answer.endpoint, answer.index, content, finish, answer.logprobs_body(), calls)
 
 
 def _last_chunk(chunks: ChunkWriter, answer, event) -> bytes:
     if answer.tool_format:
-        content, calls, finish = _finish_reason(answer, event)
+        content, calls, finish = answer_parts(answer, event)
         return chunks.answer(content, calls, finish, None, answer.unsent_logprobs(), index=answer.index)
     return chunks.text(event.text, event.finish_reason, logprobs=answer.unsent_logprobs(), index=answer.index)

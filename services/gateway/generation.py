@@ -380,17 +380,19 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
     token_usage = answer.finish(event)
     if event.finish_reason == "error":
         raise request_failed(answer.request_id)
-    if answer.tool_format:
-        parsed = parse_answer(answer.tool_format, answer.text, answer.request_id)
-        finish_reason = "tool_calls" if parsed.tool_calls and event.finish_reason == "stop" else event.finish_reason
-        body = final_body(answer.endpoint, answer.request_id, answer.created, answer.model.name, parsed.content,
-                          finish_reason, token_usage, answer.logprobs_body(), tool_calls=parsed.tool_calls)
-        return web.json_response(body)
-    body = final_body(
-        answer.endpoint, answer.request_id, answer.created, answer.model.name,
-        answer.echo + answer.text, event.finish_reason, token_usage, answer.logprobs_body(),
-    )  # fmt: skip
+    content, tool_calls, finish_reason = answer_parts(answer, event)
+    body = final_body(answer.endpoint, answer.request_id, answer.created, answer.model.name, content, finish_reason,
+                      token_usage, answer.logprobs_body(), tool_calls=tool_calls)
     return web.json_response(body)
+
+
+def answer_parts(answer: "Answer", event: TokenEvent) -> tuple[str | None, list[dict], str]:
+    """A finished answer's content, tool calls and finish reason (tool_calls when it made calls)."""
+    if not answer.tool_format:
+        return answer.echo + answer.text, [], event.finish_reason
+    parsed = parse_answer(answer.tool_format, answer.text, answer.request_id)
+    finish_reason = "tool_calls" if parsed.tool_calls and event.finish_reason == "stop" else event.finish_reason
+    return parsed.content, parsed.tool_calls, finish_reason
 
 
 async def _final_event(request: web.Request, answer: Answer) -> TokenEvent:
@@ -473,10 +475,8 @@ async def _stream_events(
             if event.finish_reason == "error":
                 await response.write(sse(request_failed(answer.request_id).body()))
             elif answer.tool_format:
-                parsed = parse_answer(answer.tool_format, answer.text, answer.request_id)
-                finish_reason = ("tool_calls" if parsed.tool_calls and event.finish_reason == "stop"
-                                 else event.finish_reason)
-                await response.write(chunks.answer(parsed.content, parsed.tool_calls, finish_reason,
+                content, tool_calls, finish_reason = answer_parts(answer, event)
+                await response.write(chunks.answer(content, tool_calls, finish_reason,
                                                    resume_from=event.index + 1 if event.token_id >= 0 else None,
                                                    logprobs=answer.unsent_logprobs()))
                 if include_usage:

@@ -84,7 +84,7 @@ def plan_tools(params: ChatCompletionRequest, template_source: str) -> ToolPlan:
         call = {"anyOf": calls} if len(calls) > 1 else calls[0]
         if form == "hermes":
             lark = (f'start: {" ".join(["call"] + ["call?"] * (most_calls - 1))}\n'
-                    f'call: "<tool_call>\\n" %json {json.dumps(call | COMPACT)} "\\n</tool_call>"\n')
+                    f'call: "<tool_call>\\n" %json {json.dumps(call | COMPACT)} "\\n</tool_call>" "\\n"?\n')
         elif form == "mistral":
             array = {"type": "array", "items": call, "minItems": 1, "maxItems": most_calls}
             lark = f'start: "[TOOL_CALLS]" %json {json.dumps(array | COMPACT)}\n'
