@@ -105,6 +105,15 @@ def request_key(request_id: str) -> str:
 CANCEL_FLAG = "cancel"
 
 
+# Fields of request_key(id) holding its prompt's log-probabilities (PromptLogprobsChunk), one per step
+# that computed some, named by the first prompt position they cover (the worker writes them).
+PROMPT_LOGPROBS_FIELD = "prompt_logprobs:"
+
+
+def prompt_logprobs_field(first_position: int) -> str:
+    return f"{PROMPT_LOGPROBS_FIELD}{first_position}"
+
+
 def token_stream(request_id: str) -> str:
     """Stream of one request's output (scheduler -> gateway), one entry per token."""
     return f"{PREFIX}:tokens:{request_id}"

@@ -45,6 +45,10 @@ class SamplingParams(Frozen):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     # -1: no logprobs; n >= 0: the chosen token's log-probability and the n most likely tokens'.
     logprobs: int = Field(-1, ge=-1, le=20)
+    # -1: none; n >= 0: each prompt token's log-probability and rank, and the n most likely tokens at
+    # its position (vLLM's prompt_logprobs; the completions' echo with logprobs). The worker writes
+    # them into the request's hash before the first token's entry (services/worker/prompt_logprobs.py).
+    prompt_logprobs: int = Field(-1, ge=-1, le=20)
     # Always set (the gateway draws one when the client gives none): the randomness of
     # output token k is a function of (seed, k) only, so a request samples the same
     # tokens whatever its batch, its worker, or a rebuild of its KV.
@@ -94,6 +98,19 @@ class TokenEvent(Frozen):
     cached_tokens: int = 0  # on the last entry: prompt tokens found in the prefix cache at its admission
     logprob: float | None = None  # the token's log-probability, when the request asked for logprobs
     top_logprobs: tuple[Logprob, ...] = ()  # the most likely tokens at this position, most likely first
+
+
+# One prompt token's log-probabilities: (its token id, its log-probability, its rank among the vocabulary
+# from 1, the most likely tokens at its position, most likely first).
+PromptTokenLogprobs = tuple[int, float, int, tuple[Logprob, ...]]
+
+
+class PromptLogprobsChunk(Frozen):
+    """The prompt tokens' log-probabilities one step computed (worker -> gateway): a field of the
+    request's hash (keys.prompt_logprobs_field), written with the result of that step."""
+
+    first_position: int = Field(ge=1, lt=2**31)  # the prompt position of the first entry's token
+    entries: tuple[PromptTokenLogprobs, ...] = Field(max_length=2**20)  # consecutive positions from there
 
 
 # The per-iteration messages between the scheduler and a worker are plain dataclasses, not models:

@@ -565,6 +565,50 @@ def test_logprobs_are_log_softmax_of_the_logits_and_chosen_only_when_asked():
     assert "none" not in step.logprobs
 
 
+def prompt_log_softmax_one_token_at_a_time(prompt: list[int]) -> list[torch.Tensor]:
+    """Each prompt position's log-probabilities over the vocabulary, the prompt fed one token a step
+    (another path than a chunk's logits): entry p gives prompt token p + 1's."""
+    engine = tiny_engine()
+    engine.add_request("alone", GREEDY)
+    rows = []
+    for position, token in enumerate(prompt[:-1]):
+        step = engine.step([prefill_item("alone", [token], start=position)], return_logits=True)
+        rows.append(torch.log_softmax(step.logits["alone"], dim=0))
+    return rows
+
+
+@pytest.mark.parametrize("chunks", [[11], [3, 5, 3], [1, 1, 9], [4, 6, 1]], ids=lambda chunks: "+".join(map(str, chunks)))
+def test_prompt_logprobs_are_each_prompt_tokens_log_softmax_however_the_prompt_is_chunked(chunks):
+    prompt = [20, 31, 7, 55, 42, 9, 9, 60, 3, 18, 27]
+    expected = prompt_log_softmax_one_token_at_a_time(prompt)
+    engine = tiny_engine()
+    engine.add_request("asks", SamplingParams(prompt_logprobs=3, max_tokens=4))
+    engine.add_request("neighbour", GREEDY)  # in the same steps, asking for nothing
+    found, start, neighbours = {}, 0, [5, 6, 7]
+    for size in chunks:
+        items = [prefill_item("asks", prompt[start : start + size], start=start, sample=start + size == len(prompt)),
+                 prefill_item("neighbour", neighbours, start=engine.kv_length("neighbour"), sample=False)]
+        step = engine.step(items)
+        assert not step.errors and "neighbour" not in step.prompt_logprobs
+        neighbours = [8]
+        if "asks" in step.prompt_logprobs:
+            chunk = step.prompt_logprobs["asks"]
+            for position, entry in enumerate(chunk.entries, chunk.first_position):
+                assert position not in found
+                found[position] = entry
+        start += size
+    assert sorted(found) == list(range(1, len(prompt)))  # every token but the first, once
+    for position, (token_id, logprob, rank, top) in found.items():
+        row = expected[position - 1]
+        assert token_id == prompt[position]
+        assert abs(logprob - float(row[token_id])) < 1e-4
+        assert rank == int((row > row[token_id]).sum()) + 1
+        assert [likely for likely, _ in top] == row.topk(3).indices.tolist()
+        assert all(abs(value - float(row[likely])) < 1e-4 for likely, value in top)
+    first = step.tokens["asks"]  # a rebuild once it has output computes none again
+    assert engine.step([prefill_item("asks", prompt + [first], output_index=1)]).prompt_logprobs == {}
+
+
 def test_greedy_is_temperature_zero_and_top_k_one_is_greedy_too():
     engine = tiny_engine()
     prompt = list(range(10, 30))

@@ -254,7 +254,6 @@ BAD_REQUESTS = [
     ("min_p negative", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_p": -0.1}, 400, "min_p"),
     ("completions logprobs above 5", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": 6}, 400, "logprobs"),
     ("completions logprobs bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": True}, 400, "logprobs"),
-    ("echo with logprobs", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": True, "logprobs": 1}, 400, "echo"),
     ("echo not bool", "POST", COMPLETIONS, {**GOOD_COMPLETION, "echo": "yes"}, 400, "echo"),
     ("chat echo", "POST", CHAT, {**GOOD_CHAT, "echo": True}, 400, "echo"),
     # Structured outputs, logit_bias, and vLLM's fields that would change the output (not implemented)
@@ -289,7 +288,12 @@ BAD_REQUESTS = [
     ("logit_bias above 100", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("logit_bias not numbers", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logit_bias": {"5": "up"}}, 400,
      "logit_bias.5"),
-    ("prompt_logprobs", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs streamed", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("prompt_logprobs -1", "POST", CHAT, {**GOOD_CHAT, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs 21", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("prompt_logprobs true", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt_logprobs": True}, 400,
+     "prompt_logprobs"),
     ("min_tokens", "POST", COMPLETIONS, {**GOOD_COMPLETION, "min_tokens": 4}, 400, "min_tokens"),
     # Tools
     ("tool_choice names an unknown function", "POST", CHAT, {**GOOD_CHAT, "tools": [TOOL], "tool_choice": {

@@ -116,7 +116,7 @@ def run(tokenizer, workers_write: bool, abandon_at: int | None = None, out_of_st
             write[0].ended = True  # (as after_step does for a token out of step)
             unwritten.add(next(request_id for request_id, row in writer._rows.items() if row is write[0]))
         if writes:
-            for stream_key, entry_id, payload, _, _ in zip(*msgpack.unpackb(writer.entries(writes), raw=True),
+            for stream_key, entry_id, payload, _, _ in zip(*msgpack.unpackb(writer.entries(writes), raw=True)[:5],
                                                         strict=True):
                 streams.xadd(stream_key.decode(), entry_id.decode(), payload, "worker")
         return PlanResult(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id, worker_id="w0",
@@ -300,3 +300,35 @@ async def test_the_write_script_writes_entries_then_the_result_and_nothing_for_a
     assert msgpack.unpackb(results[2][b"f"], raw=False) == [names["broken"]]
     assert not any(b"f" in fields for fields in results[:2])
     assert len(await redis_client.xrange(keys.token_stream(names["ended"]))) == 4
+
+
+async def test_the_write_script_sets_prompt_logprobs_fields_only_in_hashes_that_are_there(redis_client, tokenizer):
+    """A step's prompt log-probabilities go into their requests' hashes with its result (before the
+    entries it writes), into no hash that is gone (no key is made), and nothing under a stale epoch."""
+    from services.worker.token_writer import STALE, WRITE_SCRIPT
+    from shared import keys
+    from shared.messages import PromptLogprobsChunk
+    from shared.wire import decode
+
+    here, gone = f"{1:032x}", f"{2:032x}"
+    chunk = PromptLogprobsChunk(first_position=1, entries=((5, -1.5, 3, ((7, -0.2), (9, -1.0))), (6, -0.1, 1, ())))
+    writer = TokenWriter(tokenizer)
+    run_id = (await redis_client.info("server"))["run_id"]
+    await redis_client.set(keys.INCARNATION, f"e {run_id}")
+    await redis_client.hset(keys.request_key(here), "status", "running")
+
+    async def write(epoch: str):
+        writer.note_prompt_logprobs({here: chunk, gone: chunk})
+        assert writer.has_fields
+        reply = await redis_client.eval(WRITE_SCRIPT, 2, keys.RESULTS_STREAM, keys.INCARNATION, writer.entries([]),
+                                        "result", 1000, epoch)
+        assert not writer.has_fields  # (taken with these entries)
+        return reply
+
+    assert await write("an-older-epoch") == STALE
+    assert not await redis_client.hexists(keys.request_key(here), keys.prompt_logprobs_field(1))
+    assert await write("e") != STALE
+    assert decode(PromptLogprobsChunk, await redis_client.hget(keys.request_key(here),
+                                                               keys.prompt_logprobs_field(1))) == chunk
+    assert not await redis_client.exists(keys.request_key(gone))
+    assert [fields[b"m"] for _, fields in await redis_client.xrange(keys.RESULTS_STREAM)] == [b"result"]

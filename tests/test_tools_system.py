@@ -6,6 +6,7 @@ tool part). Calls under `required` or a named function always validate against t
 streamed deltas join to the whole call; a full round trip (call, tool result, answer) works."""
 
 import json
+import urllib.request
 
 import jsonschema
 import openai
@@ -133,9 +134,10 @@ def test_streamed_tool_calls_join_to_the_whole_call_and_a_round_trip(client, mod
                                            max_tokens=ROOM[model], temperature=0)
     calls = check_calls(whole.choices[0].message, {"get_weather"})
     joined: dict[int, dict] = {}
-    finish = None
+    finish = request_id = None
     for chunk in client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],
                                                 tool_choice="required", max_tokens=ROOM[model], temperature=0, stream=True):
+        request_id = chunk.id
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or ():
                 entry = joined.setdefault(delta.index, {"name": "", "arguments": ""})
@@ -143,8 +145,14 @@ def test_streamed_tool_calls_join_to_the_whole_call_and_a_round_trip(client, mod
                 entry["arguments"] += delta.function.arguments or ""
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
-    assert list(joined.values()) == [{"name": call.function.name, "arguments": call.function.arguments}
-                                     for call in calls]
+    expected_calls = [{"name": call.function.name, "arguments": call.function.arguments} for call in calls]
+    assert list(joined.values()) == expected_calls
+    # Re-attached (GET /v1/requests/{id}/stream): the same calls, not the model's raw text
+    with urllib.request.urlopen(f"{client.base_url}requests/{request_id}/stream", timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    deltas = [choice["delta"] for event in events for choice in event["choices"]]
+    assert [call["function"] for delta in deltas for call in delta.get("tool_calls", ())] == expected_calls
+    assert not any(delta.get("content") for delta in deltas)
     # The round trip: the calls and their results in the history, then the answer (a reply or another call)
     history = messages + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True) for call in calls]},

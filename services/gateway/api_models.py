@@ -2,8 +2,8 @@
 
 Types are strict (a string is not a number, a bool is not an int) and every refusal names the
 field in `param`. Fields this server does not know are ignored, as OpenAI does; fields of OpenAI's
-or vLLM's that would change the output and are not implemented here (tools, best_of, vLLM's
-min_tokens, prompt_logprobs, ...) are accepted only at their default, so that no client gets an
+or vLLM's that would change the output and are not implemented here (best_of, suffix, vLLM's
+min_tokens, ...) are accepted only at their default, so that no client gets an
 output silently other than the one it asked for.
 
 Structured outputs come in any of the names clients use, one per request: OpenAI's
@@ -32,7 +32,6 @@ UNSUPPORTED_UNLESS_DEFAULT: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     # vLLM's extensions that change what is generated
-    "prompt_logprobs": (None,),
     "min_tokens": (None, 0),
     "stop_token_ids": (None, []),
     "bad_words": (None, []),
@@ -56,6 +55,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar")
 MAX_CHOICES = 256  # strings of one guided_choice
 MAX_N = 16  # choices of one request (n)
+MAX_TOP_LOGPROBS = 20  # most likely tokens per position (OpenAI's top_logprobs limit; vLLM's max_logprobs)
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar, as JSON text
 
 
@@ -101,12 +101,14 @@ class GenerationParams(StrictBody):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: str | None = None  # (vLLM's choice of engine: this server has one)
+    # vLLM's: each prompt token's log-probability and rank, and this many most likely tokens at its
+    # position (the answer's prompt_logprobs: the first token's is null)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Accepted only at their default (see UNSUPPORTED_UNLESS_DEFAULT).
     best_of: Any = None
     suffix: Any = None
     functions: Any = None
     function_call: Any = None
-    prompt_logprobs: Any = None
     min_tokens: Any = None
     stop_token_ids: Any = None
     bad_words: Any = None
@@ -161,6 +163,8 @@ class GenerationParams(StrictBody):
                 raise bad_request(f"`{name}`={_short(value)} is not supported by this server", param=name)
         self._structured = self._read_structured()
         self._logit_bias = self._read_logit_bias()
+        if self.prompt_logprobs is not None and self.stream:  # (vLLM's refusal, and its words)
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         if self._structured is not None and self.ignore_eos:
             raise bad_request("`ignore_eos` cannot be combined with a structured output: the output ends where "
                               "its constraint does", param="ignore_eos")
@@ -235,6 +239,14 @@ class GenerationParams(StrictBody):
         """-1: no logprobs; n >= 0: the chosen token's and the n most likely tokens' (per endpoint)."""
         return -1
 
+    def echo_logprobs(self) -> int:
+        """-1, or (completions' echo with logprobs) the most likely tokens wanted at each prompt position."""
+        return -1
+
+    def prompt_logprobs_wanted(self) -> int:
+        """-1: the prompt's log-probabilities are not computed; n >= 0: with the n most likely tokens."""
+        return max(-1 if self.prompt_logprobs is None else self.prompt_logprobs, self.echo_logprobs())
+
     def sampling_params(self, max_tokens: int, constraint: StructuredOutput | None = None) -> SamplingParams:
         """constraint: the output's, when the server sets it (tool calls), else the request's own."""
         seed = random.getrandbits(63) if self.seed is None else self.seed % SEED_RANGE
@@ -251,6 +263,7 @@ class GenerationParams(StrictBody):
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0),
             logprobs=self.top_logprobs_wanted(),
+            prompt_logprobs=self.prompt_logprobs_wanted(),
             seed=seed,
             max_tokens=max_tokens,
             stop=self.stop,
@@ -275,12 +288,12 @@ class CompletionRequest(GenerationParams):
         for name in ("tools", "tool_choice", "parallel_tool_calls"):
             if getattr(self, name) is not None:
                 raise bad_request(f"`{name}` is for chat completions (/v1/chat/completions)", param=name)
-        if self.echo and self.logprobs is not None:
-            raise bad_request("`echo` with `logprobs` would need the prompt's log-probabilities, which this server "
-                              "does not compute yet", param="echo")
 
     def top_logprobs_wanted(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
+
+    def echo_logprobs(self) -> int:
+        return self.logprobs if self.echo and self.logprobs is not None else -1
 
     @field_validator("prompt")
     @classmethod
@@ -406,7 +419,8 @@ class ChatCompletionRequest(GenerationParams):
     tool_choice: Any = None  # "none", "auto", "required" or a NamedToolChoice (read by check_supported)
     parallel_tool_calls: bool | None = None  # default true: an answer may make several calls
     logprobs: bool | None = None  # the chosen tokens' log-probabilities
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens' (needs logprobs)
+    # and this many most likely tokens' (needs logprobs)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()

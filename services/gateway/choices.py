@@ -26,7 +26,9 @@ from services.gateway.generation import (
     answer_parts,
     new_answer,
     request_failed,
+    stored_tool_format,
     transport_closed,
+    with_prompt_logprobs,
 )
 from services.gateway.responses import (
     DONE_EVENT,
@@ -52,16 +54,18 @@ def choice_id(request_id: str, index: int) -> str:
 async def generate_choices(request: web.Request, state: GatewayState, model: GatewayModel, endpoint: Endpoint,
                            params: GenerationParams, record: RequestRecord, tools: ToolPlan | None, started: float,
                            count: int) -> web.StreamResponse:
+    # (the prompt's log-probabilities are choice 0's to compute: the others' prompt is the same)
     records = [record.model_copy(update={
         "request_id": choice_id(record.request_id, index),
-        "sampling": record.sampling.model_copy(update={"seed": (record.sampling.seed + index) % SEED_RANGE})})
+        "sampling": record.sampling.model_copy(update={"seed": (record.sampling.seed + index) % SEED_RANGE,
+                                                       **({"prompt_logprobs": -1} if index else {})})})
         for index in range(count)]
     client_key = request.get(CLIENT_KEY, record.client_key)
     tickets = []
     try:
         for _ in records:
             tickets.append(await admit(state, model, client_key, len(record.prompt_token_ids)))
-        await state.store.submit(records[0], model.name, model.keys)
+        await state.store.submit(records[0], model.name, model.keys, stored_tool_format(tools))
     except BaseException:
         for ticket in tickets:
             ticket.close()
@@ -75,7 +79,14 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
     for index, (answer, ticket) in enumerate(zip(answers, tickets)):
         answer.index, answer.ticket = index, ticket
     request[ANSWER] = answers[0]
-    together = not state.settings.prefix_caching
+    # (choice 0's prompt log-probabilities are written before its first token: the others' answers,
+    # which show them too, come after it)
+    together = not state.settings.prefix_caching and record.sampling.prompt_logprobs < 0
+
+    async def read_prompt_logprobs() -> None:
+        await answers[0].read_prompt_logprobs()
+        for answer in answers[1:]:
+            answer.prompt = answers[0].prompt
 
     async def submitted(index: int) -> None:
         """Choice index is in the pool: after choice 0's first token (its prompt cached by then)."""
@@ -83,7 +94,7 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
             return
         if not together:
             await answers[0].first_token.wait()
-        await state.store.submit(records[index], model.name, model.keys)
+        await state.store.submit(records[index], model.name, model.keys, stored_tool_format(tools))
 
     async def follow(index: int, sink: asyncio.Queue) -> None:
         """Choice index's events into the sink (an exception too, raised where the sink is read)."""
@@ -115,8 +126,9 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
                 for answer in answers:
                     if endpoint.is_chat:
                         await response.write(chunks.role(answer.index))
-                    if answer.echo:
+                    if answer.echo and answer.echo_top < 0:
                         await response.write(chunks.text(answer.echo, index=answer.index))
+            echoes_due = response is not None and answers[0].echo_top >= 0  # with their logprobs, read at a first token
             last_write = time.monotonic()
             while len(ends) < count:
                 index, event = await sink.get()
@@ -130,6 +142,11 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
                         await response.write(KEEPALIVE_EVENT)
                         last_write = time.monotonic()
                     continue
+                if echoes_due:
+                    await read_prompt_logprobs()
+                    for each in answers:
+                        await response.write(chunks.text(each.echo, logprobs=each.echo_logprobs(), index=each.index))
+                    echoes_due = False
                 answer.add(event)
                 if event.finish_reason is None:
                     if response is not None and event.text and not answer.tool_format:
@@ -150,9 +167,11 @@ async def generate_choices(request: web.Request, state: GatewayState, model: Gat
                 await response.write(DONE_EVENT)
                 await response.write_eof()
                 return response
-            return web.json_response(whole_body(endpoint, record.request_id, int(record.arrival_time), model.name,
-                                                [_whole_choice(answers[index], ends[index][0])
-                                                 for index in range(count)], total))
+            await read_prompt_logprobs()
+            body = whole_body(endpoint, record.request_id, int(record.arrival_time), model.name,
+                              [_whole_choice(answers[index], ends[index][0]) for index in range(count)], total)
+            with_prompt_logprobs(body, answers)
+            return web.json_response(body)
     except (ClientGone, ConnectionError):
         for answer in answers:
             answer.client_gone(cancel=True)

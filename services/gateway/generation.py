@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from services.gateway.admission import OPEN_KEY_ID, Ticket
 from services.gateway.api_models import GenerationParams, parse_body
 from services.gateway.errors import ApiError, bad_request, internal_error, unknown_request
+from services.gateway.prompt_logprobs import PromptLogprobs, assemble, echo_logprobs_body, joined, vllm_body
 from services.gateway.responses import (
     CHAT,
     COMPLETIONS,
@@ -86,7 +87,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         return await generate_choices(request, state, model, endpoint, params, record, tools, started, choices)
     ticket = await admit(state, model, client_key, len(prompt_token_ids))
     try:
-        await state.store.submit(record, model.name, model.keys)
+        await state.store.submit(record, model.name, model.keys, stored_tool_format(tools))
     except BaseException:
         ticket.close()
         raise
@@ -114,12 +115,20 @@ def new_answer(state: GatewayState, model: GatewayModel, endpoint: Endpoint, par
     """The answer that follows one accepted request (submitted again from it if Redis lost it)."""
     answer = Answer(state, model, endpoint, record.request_id, int(record.arrival_time), len(record.prompt_token_ids),
                     started=started, logprobs=record.sampling.logprobs >= 0)
-    answer.tool_format = tools.format if tools and tools.format != "none" else None
+    answer.tool_format = stored_tool_format(tools) or None
     if getattr(params, "echo", None) is True:  # completions: the text starts with the prompt's
         prompt = params.prompt
-        answer.echo = prompt if isinstance(prompt, str) else model.tokenizer.decode(record.prompt_token_ids)
-    answer.resubmit = lambda: state.store.submit(record, model.name, model.keys)
+        answer.echoing(prompt if isinstance(prompt, str) else model.tokenizer.decode(record.prompt_token_ids),
+                       params.echo_logprobs())
+    answer.prompt_top = params.prompt_logprobs
+    answer.prompt_token_ids = record.prompt_token_ids
+    answer.resubmit = lambda: state.store.submit(record, model.name, model.keys, stored_tool_format(tools))
     return answer
+
+
+def stored_tool_format(tools: ToolPlan | None) -> str:
+    """The format of the tool calls an answer may hold ("": none), kept in the request's hash."""
+    return tools.format if tools and tools.format != "none" else ""
 
 
 async def admit(state: GatewayState, model: GatewayModel, client_key: str, prompt_tokens: int) -> Ticket:
@@ -265,6 +274,13 @@ class Answer:
         self.resubmit: Callable[[], Awaitable[None]] | None = None
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # every token's, in order
         self.echo = ""  # the prompt's text, answered before the output's (completions' echo)
+        # The prompt's log-probabilities (services/gateway/prompt_logprobs.py), read after the first
+        # token: asked for as vLLM's prompt_logprobs (with this many most likely tokens), or as the
+        # echo's logprobs (this many; -1: not asked)
+        self.prompt_top: int | None = None
+        self.echo_top = -1
+        self.prompt_token_ids: tuple[int, ...] = ()
+        self.prompt: PromptLogprobs | None = None
         self.tool_format: str | None = None  # the answer may hold tool calls in this format: read at its end
         self.index = 0  # its choice (n > 1)
         self.first_token = asyncio.Event()  # set at its first token, or at its end
@@ -275,6 +291,12 @@ class Answer:
         if self.started is not None and not self.outcome_counted:
             self.outcome_counted = True
             self.state.metrics.requests.labels(self.endpoint.name, outcome).inc()
+
+    def echoing(self, text: str, top: int) -> None:
+        """Completions' echo: the answer's text starts with `text` (the prompt's), with the logprobs of
+        its tokens and `top` most likely ones at each when top >= 0."""
+        self.echo, self.echo_top = text, top
+        self._characters = len(text)  # (text_offset counts from the start of the answer's text)
 
     def add(self, event: TokenEvent) -> None:
         if self.logprobs is not None and event.logprob is not None and event.token_id >= 0:
@@ -349,7 +371,31 @@ class Answer:
         return "".join(self.pieces)
 
     def logprobs_body(self) -> dict | None:
-        return logprobs_body(self.endpoint, self.logprobs, self.model.tokenizer)
+        body = logprobs_body(self.endpoint, self.logprobs, self.model.tokenizer)
+        if self.echo_top >= 0 and self.prompt is not None:  # the echoed prompt's tokens come first
+            return joined(self.echo_logprobs(), body)
+        return body
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_top is not None or self.echo_top >= 0
+
+    async def read_prompt_logprobs(self) -> None:
+        """Read the prompt's log-probabilities (once its first token is out: the worker wrote them before)."""
+        if self.wants_prompt_logprobs and self.prompt is None:
+            chunks = await self.state.store.prompt_logprobs_chunks(self.request_id)
+            self.prompt = assemble(self.request_id, self.prompt_token_ids, chunks)
+
+    def echo_logprobs(self) -> dict | None:
+        if self.prompt is None or self.echo_top < 0:
+            return None
+        return echo_logprobs_body(self.prompt, self.echo_top, self.model.tokenizer)
+
+    def prompt_logprobs_body(self) -> list | None:
+        """vLLM's prompt_logprobs (a completion choice's, or a chat answer's), when asked for."""
+        if self.prompt is None or self.prompt_top is None:
+            return None
+        return vllm_body(self.prompt, self.prompt_top, self.model.tokenizer)
 
     def unsent_logprobs(self) -> dict | None:
         """The logprobs of the tokens not yet streamed (a token without text waits for the next chunk)."""
@@ -380,10 +426,23 @@ async def whole_answer(request: web.Request, answer: Answer) -> web.StreamRespon
     token_usage = answer.finish(event)
     if event.finish_reason == "error":
         raise request_failed(answer.request_id)
+    await answer.read_prompt_logprobs()
     content, tool_calls, finish_reason = answer_parts(answer, event)
     body = final_body(answer.endpoint, answer.request_id, answer.created, answer.model.name, content, finish_reason,
                       token_usage, answer.logprobs_body(), tool_calls=tool_calls)
+    with_prompt_logprobs(body, [answer])
     return web.json_response(body)
+
+
+def with_prompt_logprobs(body: dict, answers: list["Answer"]) -> None:
+    """vLLM's prompt_logprobs into a whole answer: each completion choice's, or the chat answer's."""
+    if answers[0].prompt_top is None:
+        return
+    if answers[0].endpoint.is_chat:
+        body["prompt_logprobs"] = answers[0].prompt_logprobs_body()
+        return
+    for choice, answer in zip(body["choices"], answers):
+        choice["prompt_logprobs"] = answer.prompt_logprobs_body()
 
 
 def answer_parts(answer: "Answer", event: TokenEvent) -> tuple[str | None, list[dict], str]:
@@ -451,8 +510,10 @@ async def _stream_events(
     chunks = ChunkWriter(answer.endpoint, answer.request_id, answer.created, answer.model.name, include_usage)
     if answer.endpoint.is_chat:
         await response.write(chunks.role())
-    if answer.echo:  # (no id: a re-attached stream carries the output only)
-        await response.write(chunks.text(answer.echo))
+    echo = answer.echo
+    if echo and answer.echo_top < 0:  # (no id: a re-attached stream carries the output only)
+        await response.write(chunks.text(echo))
+        echo = ""
     last_write = time.monotonic()
     events = answer.state.store.follow_tokens(answer.request_id, answer.start_index, answer.resubmit)
     async with aclosing(events) as events:
@@ -464,6 +525,10 @@ async def _stream_events(
                     await response.write(KEEPALIVE_EVENT)
                     last_write = time.monotonic()
                 continue
+            if echo:  # with its logprobs: those are read at the first token
+                await answer.read_prompt_logprobs()
+                await response.write(chunks.text(echo, logprobs=answer.echo_logprobs()))
+                echo = ""
             answer.add(event)
             if event.finish_reason is None:
                 if event.text and not answer.tool_format:  # (an answer that may call tools is read whole)
@@ -533,6 +598,10 @@ async def reattach_stream(request: web.Request) -> web.StreamResponse:
         start_index=start_index,
         logprobs=record is not None and record.sampling.logprobs >= 0,
     )
+    if request_state.tool_format:
+        # An answer that may call tools is read whole and sent as one chunk at its end (none before
+        # it carries an id to resume from): a re-attached reader gets it whole, from the start.
+        answer.tool_format, answer.start_index = request_state.tool_format, 0
     log.info("re-attached id=%s from=%d status=%s", request_id, start_index, request_state.status)
     try:
         return await stream_answer(request, answer, include_usage, cancel_on_disconnect=False)

@@ -71,6 +71,9 @@ def _generation_properties(settings: Settings, context_length: int) -> dict[str,
         "guided_regex": _nullable({"type": "string", "description": "extension (vLLM's)"}),
         "guided_choice": _nullable({"type": "array", "items": {"type": "string"}, "description": "extension"}),
         "guided_grammar": _nullable({"type": "string", "description": "extension: Lark or GBNF"}),
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20,
+                                      "description": "extension (vLLM's): each prompt token's log-probability and "
+                                                     "rank, and this many most likely tokens; not with stream"}),
     }
 
 

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from services.gateway.errors import ServiceUnavailable
 from shared import keys
 from shared.keys import ModelKeys
-from shared.messages import IterationRecord, RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
+from shared.messages import IterationRecord, PromptLogprobsChunk, RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
 from shared.wire import WireError, decode, decode_token_event, encode
 
 log = logging.getLogger("iterserve.gateway")
@@ -53,6 +53,7 @@ class RequestState:
     finish_reason: str | None
     record: RequestRecord | None  # None when the stored record does not decode
     model: str = ""  # the API name of the model it was sent to ("" for requests stored before models had names)
+    tool_format: str = ""  # its answer may hold tool calls in this format (services/gateway/tools.py)
 
     @property
     def terminal(self) -> bool:
@@ -120,8 +121,10 @@ class Store:
             await asyncio.wait(list(self._calls), timeout=BLOCK_MS / 1000 + 1)
         await self.redis.aclose()
 
-    async def submit(self, record: RequestRecord, model: str = "", model_keys: ModelKeys = keys.SINGLE_MODEL) -> None:
+    async def submit(self, record: RequestRecord, model: str = "", model_keys: ModelKeys = keys.SINGLE_MODEL,
+                     tool_format: str = "") -> None:
         """Accept a request for a model: record, its pool's active set and new-request stream in one MULTI/EXEC.
+        tool_format: its answer may hold tool calls in this format (a re-attached stream reads them).
 
         When the caller gives up first (its client left, or Redis was too slow) and the
         transaction commits anyway, the request is cancelled at once: nobody waits for it.
@@ -130,8 +133,10 @@ class Store:
 
         async def transaction() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(keys.request_key(request_id),
-                          mapping={"record": encode(record), "status": "waiting", "model": model})
+                fields = {"record": encode(record), "status": "waiting", "model": model}
+                if tool_format:
+                    fields["tool_format"] = tool_format
+                pipe.hset(keys.request_key(request_id), mapping=fields)
                 pipe.sadd(model_keys.active_requests, request_id)
                 pipe.xadd(model_keys.new_requests, {"id": request_id})
                 await pipe.execute()
@@ -169,7 +174,20 @@ class Store:
             finish_reason=finish_reason.decode(errors="replace") if finish_reason else None,
             record=record,
             model=raw.get(b"model", b"").decode(errors="replace"),
+            tool_format=raw.get(b"tool_format", b"").decode(errors="replace"),
         )
+
+    async def prompt_logprobs_chunks(self, request_id: str) -> list[PromptLogprobsChunk]:
+        """The prompt log-probabilities the workers wrote into the request's hash (malformed ones left out)."""
+        raw = await self._call(self.redis.hgetall(keys.request_key(request_id)))
+        prefix, chunks = keys.PROMPT_LOGPROBS_FIELD.encode(), []
+        for name, value in (raw or {}).items():
+            if name.startswith(prefix):
+                try:
+                    chunks.append(decode(PromptLogprobsChunk, value))
+                except WireError as error:
+                    log.warning("bad prompt logprobs id=%s field=%s error=%s", request_id, name, error)
+        return chunks
 
     async def token_event_count(self, request_id: str) -> int:
         return await self._call(self.redis.xlen(keys.token_stream(request_id)))

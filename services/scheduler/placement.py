@@ -101,8 +101,10 @@ class RequestPlacement:
 
     def _cached_prefix(self, worker: WorkerState, state: RequestState) -> int:
         """How many of the request's first blocks the worker holds (all but its last token at most:
-        that one is fed to sample from)."""
-        if not self.prefix_caching or not worker.cache:
+        that one is fed to sample from). None of them for a request that asked for its prompt's
+        log-probabilities and has no output yet: every prompt position is computed for them."""
+        if not self.prefix_caching or not worker.cache or (state.sampling.prompt_logprobs >= 0
+                                                            and not state.output_token_ids):
             return 0
         limit = (state.total_tokens - 1) // worker.kv_block_size
         chain = state.block_chain(worker.cache_root)

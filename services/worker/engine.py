@@ -37,6 +37,7 @@ from services.worker.decode_workspace import DecodeWorkspace
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import Llama
 from services.worker.grammar_rows import GrammarRows
+from services.worker.prompt_logprobs import PromptLogprobRows
 from services.worker.sampler import LogitAdjustments, SamplerOutput, sample
 from services.worker.sampling_table import SamplingTable
 from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
@@ -143,6 +144,7 @@ class Engine(RequestRows):
         # Rows with penalties or a constraint: their tokens so far (prompt and output)
         self._history = TokenHistory(self.max_rows, model.config.context_length, device)
         self._grammars: GrammarRows | None = None  # constrained rows' matchers (constrain_with)
+        self._prompt_logprobs = PromptLogprobRows(self.max_rows)  # rows that asked for their prompt's
         self._staging = Staging(device)
         self.workspace = (DecodeWorkspace(kv_cache, decode_workspace_tokens, rows_hint=max_batch_size)
                           if attention == "batched" and decode_workspace_tokens > 0 else None)
@@ -255,6 +257,7 @@ class Engine(RequestRows):
 
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         self._sampling.set(row, sampling)
+        self._prompt_logprobs.start(row, sampling.prompt_logprobs)
         if not sampling.needs_history:
             self._history.stop(row)
         elif history or not self._history.tracked[row]:
@@ -268,10 +271,14 @@ class Engine(RequestRows):
     def _refusal(self, sampling: "SamplingParams") -> str | None:
         if sampling.structured is not None and self._grammars is None:
             return "this engine was made without a grammar compiler: it cannot constrain an output"
+        if sampling.prompt_logprobs >= 0 and getattr(getattr(self.model, "layout", None), "pipeline", 1) > 1:
+            # (the last stage has the logits, and only the tokens travel back to the first)
+            return "prompt log-probabilities are not served by pipeline-parallel workers"
         return None
 
     def _row_freed(self, row: int) -> None:
         self._history.stop(row)
+        self._prompt_logprobs.stop(row)
         if self._grammars is not None:
             self._grammars.stop(row)
 
@@ -352,8 +359,11 @@ class Engine(RequestRows):
         slot_mapping = stage("slot_mapping", kv_cache.slots(np.repeat(rows, counts), positions))
         config = self.config
         decodes = counts == 1
+        all_output_indices = np.asarray(columns.output_indices, dtype=np.int64)
+        prompt = self._prompt_logprobs.asking(rows, all_output_indices, query_starts, counts, sampled)
         try:
-            if self.graphs is not None and decodes.all() and self.graphs.fits(rows.size, int(starts.max()) + 1):
+            if (self.graphs is not None and prompt is None and decodes.all()
+                    and self.graphs.fits(rows.size, int(starts.max()) + 1)):
                 logits = self.graphs.run(token_ids, stage("positions", positions), slot_mapping, rows, starts + 1)
                 if not sampled.all():
                     logits = logits[stage("sampled", np.flatnonzero(sampled))]
@@ -366,8 +376,11 @@ class Engine(RequestRows):
                 layout = StepLayout(rows, query_starts, counts, starts)
                 batch = build_batch(self.attention, layout, slot_mapping, kv_cache, config.n_heads // config.n_kv_heads,
                                     config.n_kv_heads * config.head_dim, device, self.model.dtype, workspace)
-                logit_rows = stage("logit_rows", (query_starts + counts - 1)[sampled])
-                logits = self.model.forward(token_ids, stage("positions", positions), batch, kv_cache, logit_rows)
+                logit_rows = (query_starts + counts - 1)[sampled]
+                if prompt is not None:  # and the prompt positions whose log-probabilities are asked for
+                    logit_rows = np.concatenate([logit_rows, prompt.positions])
+                logits = self.model.forward(token_ids, stage("positions", positions), batch, kv_cache,
+                                            stage("logit_rows", logit_rows))
         except BaseException:
             if self.workspace is not None:
                 self.workspace.forget()  # rows may be half-written: none can be trusted
@@ -375,7 +388,11 @@ class Engine(RequestRows):
         kv_cache.lengths[rows] = starts + counts
         self._history.fed(np.repeat(rows, counts), positions, token_ids, rows, starts + counts)
         sampled_rows = rows[sampled]
-        output_indices = np.asarray(columns.output_indices, dtype=np.int64)[sampled]
+        output_indices = all_output_indices[sampled]
+        if prompt is not None and logits is not None:
+            outcome.prompt_logprobs = self._prompt_logprobs.take(
+                prompt, logits[sampled_rows.size :], columns.request_ids, rows, starts, counts, columns.fed_tokens)
+            logits = logits[: sampled_rows.size]
         if logits is None:  # a stage before the last: its tokens come from the last stage
             entry = None
             if sampled_rows.size:

@@ -16,6 +16,7 @@ import numpy as np
 from services.worker.kv_cache import BlockTables, CacheMismatch, KVCacheFull
 
 if TYPE_CHECKING:
+    from services.worker.prompt_logprobs import PromptLogprobs
     from shared.messages import BatchPlan, SamplingParams, StepItem
 
 
@@ -41,6 +42,8 @@ class StepOutcome:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     errors: list[ItemRefusal] = field(default_factory=list)  # items that did not run
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked for them
+    # Requests that asked for their prompt's (services/worker/prompt_logprobs.py PromptLogprobs)
+    prompt_logprobs: dict[str, "PromptLogprobs"] = field(default_factory=dict)
     seconds: float = 0.0
 
 

@@ -46,7 +46,7 @@ from shared.config import Settings, threads_per_worker
 from shared.exits import configuration_error
 from shared.model_file import load_metadata, weights_sha256
 from shared.served_models import served_models
-from shared.messages import BatchPlan, WorkerInfo
+from shared.messages import BatchPlan, PromptLogprobsChunk, WorkerInfo
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange, xread_entries
 from shared.startup_heap import freeze_startup_heap
@@ -186,6 +186,12 @@ class Worker:
         """A step's outcome into its plan's answer; the token entries to write with it (called once
         for every step run, in order: the token writer follows the plans' new and freed requests)."""
         writes, unwritten = self.token_writer.after_step(decoded.plan, outcome.tokens)
+        if outcome.prompt_logprobs:
+            self.token_writer.note_prompt_logprobs({
+                request_id: PromptLogprobsChunk(first_position=chunk.first_position, entries=tuple(
+                    (token, finite(logprob), rank, tuple((top_id, finite(top)) for top_id, top in tops))
+                    for token, logprob, rank, tops in chunk.entries))
+                for request_id, chunk in outcome.prompt_logprobs.items()})
         logprobs = {request_id: (finite(value.logprob), tuple((token, finite(top)) for token, top in value.top))
                     for request_id, value in outcome.logprobs.items()}
         answers.add(decoded, outcome.tokens, logprobs,
@@ -448,7 +454,8 @@ class Worker:
         writes = [write for answer in answers for write in answer.writes]
         results = [answer.result for answer in answers]
         plan = answers[-1].plan
-        if writes:  # (detokenized here, in the event loop, while the step thread runs the next step)
+        # (detokenized here, in the event loop, while the step thread runs the next step)
+        if writes or self.token_writer.has_fields:
             commands = [("EVAL", WRITE_SCRIPT, 2, self.keys.results, self.keys.incarnation,
                          self.token_writer.entries(writes), results[0], RESULTS_KEPT, plan.scheduler_epoch,
                          *results[1:])]

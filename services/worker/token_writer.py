@@ -15,15 +15,16 @@ the finish and the usage). Every other token of such a request is named in the r
 and the scheduler writes it; an entry written twice is refused by Redis (ids only grow).
 """
 
+import collections
 from dataclasses import dataclass
 
 import msgpack
 
 from shared import keys
 from shared.finishing import finish_reason
-from shared.messages import BatchPlan, NewRequest
+from shared.messages import BatchPlan, NewRequest, PromptLogprobsChunk
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
-from shared.wire import encode_plain_token_events
+from shared.wire import encode, encode_plain_token_events
 
 # Per entry of msgpack columns [stream keys, entry ids, payloads, request keys, request ids]: XADD to
 # a stream that is there (NOMKSTREAM: one command for most entries, which changes no key's time to
@@ -43,6 +44,9 @@ from shared.wire import encode_plain_token_events
 # from memory after them would leave a gap in its stream; so no entry lands until the scheduler has
 # seen the restart and loaded the pool from what Redis kept, under a new epoch. (A plan's result is
 # not needed then: the scheduler ignores any of an older epoch.)
+# Before the entries, columns[6]: fields of request hashes [request key, field, value], each set only
+# where its hash is there (the prompt's log-probabilities: note_prompt_logprobs), so that a request's
+# are in its hash before the entry of its first token.
 STALE = b"STALE"
 WRITE_SCRIPT = f"""
 if redis.call('GET', KEYS[2]) ~= ARGV[4] .. ' ' .. {keys.REDIS_RUN_ID_LUA} then
@@ -52,6 +56,19 @@ end
 local stream_keys, entry_ids, payloads, request_keys = columns[1], columns[2], columns[3], columns[4]
 local refusals = {'OOM', 'READONLY', 'MISCONF', 'NOREPLICAS', 'MASTERDOWN'}
 local failed = {}
+local fields = columns[6] or {}
+for i = 1, #fields do
+  if redis.call('EXISTS', fields[i][1]) == 1 then
+    local reply = redis.pcall('HSET', fields[i][1], fields[i][2], fields[i][3])
+    if type(reply) == 'table' and reply.err then
+      for _, prefix in ipairs(refusals) do
+        if string.sub(reply.err, 1, #prefix) == prefix then
+          return reply
+        end
+      end
+    end
+  end
+end
 for i = 1, #stream_keys do
   local reply = redis.pcall('XADD', stream_keys[i], 'NOMKSTREAM', entry_ids[i], 'm', payloads[i])
   if reply == false then
@@ -112,6 +129,20 @@ class TokenWriter:
         self.stop_token_ids = frozenset(tokenizer.stop_token_ids)
         self._rows: dict[str, _Row] = {}
         self._epoch = ""
+        # [request key, field, value] to set with the next entries (noted by the step thread, taken
+        # by the event loop: a deque's append and popleft are atomic)
+        self._fields: collections.deque[list] = collections.deque()
+
+    def note_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
+        """Prompt log-probabilities a step computed, to write with its result (or an earlier one:
+        written early does no harm, written late would follow the first token's entry)."""
+        for request_id, chunk in chunks.items():
+            self._fields.append([keys.request_key(request_id), keys.prompt_logprobs_field(chunk.first_position),
+                                 encode(chunk)])
+
+    @property
+    def has_fields(self) -> bool:
+        return bool(self._fields)
 
     def after_step(self, plan: BatchPlan, tokens: dict[str, int]) -> tuple[list[Write], set[str] | None]:
         """A plan run (or refused): its changes, then which of its tokens this worker writes, and
@@ -161,9 +192,10 @@ class TokenWriter:
             if row.detokenizer is None:
                 row.detokenizer = IncrementalDetokenizer(self.tokenizer, row.context)
         pieces = [row.detokenizer.push(token_id) for row, token_id in zip(rows, token_ids)]  # (in order)
+        fields = [self._fields.popleft() for _ in range(len(self._fields))]
         return msgpack.packb([[row.stream_key for row in rows], [f"0-{index + 1}" for index in indexes],
                               encode_plain_token_events(indexes, token_ids, pieces),
-                              [row.request_key for row in rows], [row.request_id for row in rows]],
+                              [row.request_key for row in rows], [row.request_id for row in rows], fields],
                              use_bin_type=False)
 
 
