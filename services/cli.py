@@ -24,7 +24,13 @@ from shared.config import REQUEST_LOG, Settings
 
 SERVICE_OPTIONS = {
     # option: (settings field, type, help)
-    "--redis-url": ("redis_url", str, "Redis URL, e.g. redis://:password@host:6379/0 (env REDIS_URL)"),
+    "--redis-url": ("redis_url", str, "Redis URL, e.g. redis://:password@host:6379/0, or through Sentinels "
+                                      "redis+sentinel://host:26379,host2:26379,host3:26379/primary-name (env REDIS_URL)"),
+    "--redis-replicas": ("redis_replicas", int, "up: replicas of its own Redis, and three Sentinels that promote "
+                                                "one when the primary is lost (default 0)"),
+    "--redis-wait-replicas": ("redis_wait_replicas", int, "gateway: accept a request once this many Redis replicas "
+                                                          "hold it (WAIT; default 0, up --redis-replicas N: 1)"),
+    "--redis-wait-ms": ("redis_wait_ms", int, "gateway: how long acceptance waits for the replicas (default 1000)"),
     "--host": ("host", str, "gateway bind address (default 127.0.0.1)"),
     "--port": ("port", int, "gateway port (default 8000)"),
     "--model": ("model", str, "model name, path to a GGUF file, or a Hugging Face checkpoint directory "

@@ -28,6 +28,7 @@ import redis
 from shared.config import Settings, cpu_list, cpu_text, threads_per_worker
 from shared.exits import CONFIGURATION_ERROR
 from shared.served_models import served_models
+from services.redis_group import PRIMARY_NAME, SENTINELS, RedisGroup, agreed_primary
 from shared.redis_connection import credentials_error, redacted
 
 log = logging.getLogger("iterserve.up")
@@ -135,6 +136,45 @@ def redis_child(data_dir: Path, cpus: frozenset[int] | None = None) -> tuple[Chi
     return Child("redis", command, dict(os.environ), cpus), f"redis://127.0.0.1:{port}/0"
 
 
+def redis_group_children(data_dir: Path, replicas: int, cpus: frozenset[int] | None = None
+                         ) -> tuple[RedisGroup, list[Child]]:
+    """A primary, `replicas` replicas and three Sentinels (services/redis_group.py), not started."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("iterserve up: redis-server is not installed; install it (apt-get install redis-server "
+                         "redis-sentinel) or pass --redis-url")
+    group = RedisGroup(data_dir, free_port(), tuple(free_port() for _ in range(replicas)),
+                       tuple(free_port() for _ in range(SENTINELS)))
+    return group, [Child(name, command, dict(os.environ), cpus) for name, command in group.commands(binary)]
+
+
+def wait_for_group(group: RedisGroup, timeout: float = 20.0) -> None:
+    """Until the primary answers, every replica is in sync with it and every Sentinel names it."""
+    deadline = time.monotonic() + timeout
+    wait_for_redis(group.server_url(group.primary_port), timeout)
+    primary = redis.Redis.from_url(group.server_url(group.primary_port), socket_connect_timeout=0.5)
+    sentinels = [redis.Redis(host=group.host, port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+                 for port in group.sentinel_ports]
+    try:
+        while True:
+            try:
+                synced = sum(1 for name, value in primary.info("replication").items()
+                             if name.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+                named = [sentinel.sentinel_get_master_addr_by_name(PRIMARY_NAME) for sentinel in sentinels]
+                if synced >= len(group.replica_ports) and all(address and int(address[1]) == group.primary_port
+                                                               for address in named):
+                    return
+            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError, redis.exceptions.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"iterserve up: the Redis replicas and Sentinels were not ready in {timeout:.0f} s")
+            time.sleep(0.1)
+    finally:
+        primary.close()
+        for sentinel in sentinels:
+            sentinel.close()
+
+
 def wait_for_redis(url: str, timeout: float = 15.0) -> None:
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
     deadline = time.monotonic() + timeout
@@ -190,6 +230,10 @@ def run_up(settings: Settings) -> int:
             return 2
         log.warning("event=emulated_executor hardware=%s note=EMULATED workers: no model runs, steps take the "
                     "time the profile gives (a benchmarking instrument)", profile.name)
+    if settings.redis_replicas and settings.redis_url:
+        log.error("event=bad_redis_replicas error=--redis-replicas is for up's own Redis: with --redis-url, give "
+                  "your Sentinels' URL (redis+sentinel://host:port,.../primary-name)")
+        return 2
     try:
         split = cpu_split(settings)
     except ValueError as error:
@@ -200,10 +244,23 @@ def run_up(settings: Settings) -> int:
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop_requested.set())
 
-    redis_process = None
-    if not settings.redis_url:
+    redis_processes: list[Child] = []  # its own Redis, if it runs one (the last to stop)
+    group: RedisGroup | None = None
+    if not settings.redis_url and settings.redis_replicas:
+        group, redis_processes = redis_group_children(data_directory() / "redis-group", settings.redis_replicas,
+                                                      other_cpus)
+        for child in redis_processes:
+            child.start()
+        wait_for_group(group)
+        # Acceptance waits for a replica: a promotion loses no accepted request
+        settings = settings.model_copy(update={"redis_url": group.url,
+                                               "redis_wait_replicas": settings.redis_wait_replicas or 1})
+        log.info("event=redis_group primary=%d replicas=%s sentinels=%s", group.primary_port,
+                 ",".join(map(str, group.replica_ports)), ",".join(map(str, group.sentinel_ports)))
+    elif not settings.redis_url:
         redis_process, url = redis_child(data_directory() / "redis", other_cpus)
         redis_process.start()
+        redis_processes = [redis_process]
         wait_for_redis(url)
         settings = settings.model_copy(update={"redis_url": url})
     elif problem := credentials_error(settings.redis_url):
@@ -241,8 +298,11 @@ def run_up(settings: Settings) -> int:
                  "idle-priority process", cpu_text(scheduler_cpus), cpu_text(other_cpus))
 
     refused = ""  # a child's message that its settings can never work
+    # (a member of a Redis group is started again too: a primary that comes back, the Sentinels make
+    # a replica of the new one; a lone Redis is not: its restart is the operator's, docs/operations.md)
+    restarted = children + (redis_processes if settings.redis_replicas else [])
     while not refused and not stop_requested.wait(0.2):
-        for child in children:
+        for child in restarted:
             if child.process is not None and not child.running():
                 if child.process.returncode == CONFIGURATION_ERROR:
                     refused = child.said("iterserve") or f"{child.name} refused its settings"
@@ -253,6 +313,11 @@ def run_up(settings: Settings) -> int:
                             child.process.returncode, RESTART_BACKOFF_SECONDS)
                 child.process, child.exited_at = None, time.monotonic()
             elif child.process is None and time.monotonic() - child.exited_at > RESTART_BACKOFF_SECONDS:
+                if child in redis_processes and child.name in group.servers():
+                    primary = agreed_primary(group)
+                    if primary is None:
+                        continue  # a failover under way: started once the Sentinels agree on its primary
+                    child.command = group.server_command(child.command[0], child.name, primary)
                 child.start()
 
     log.info("event=stopping")
@@ -261,8 +326,9 @@ def run_up(settings: Settings) -> int:
         child.signal(signal.SIGTERM)
     for child in children:
         child.wait(deadline)
-    if redis_process is not None:
+    for redis_process in reversed(redis_processes):  # (Sentinels first: no promotion while the primary stops)
         redis_process.signal(signal.SIGTERM)
+    for redis_process in redis_processes:
         redis_process.wait(time.monotonic() + STOP_GRACE_SECONDS)
     log.info("event=stopped")
     if refused:

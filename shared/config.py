@@ -51,6 +51,13 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     redis_url: str = ""  # empty: `iterserve up` starts a private redis-server
+    # `iterserve up` with its own Redis: this many replicas of it and three Sentinels that promote
+    # one when the primary is lost (every service connects through them: shared/redis_connection.py)
+    redis_replicas: int = Field(0, ge=0, le=4)
+    # The gateway accepts a request once this many replicas hold it (Redis's WAIT), or after
+    # redis_wait_ms without them (counted in iterserve_acceptance_unreplicated_total: docs/operations.md)
+    redis_wait_replicas: int = Field(0, ge=0, le=4)
+    redis_wait_ms: int = Field(1000, ge=1, le=60_000)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # The packaged model's name, a GGUF file, or a checkpoint directory; several comma-separated for

@@ -31,7 +31,8 @@ from typing import IO
 import redis
 
 from services.launcher import die_with_parent
-from tests.redis_server import RedisProcess, free_port
+from shared.redis_connection import sync_client
+from tests.redis_server import RedisGroupProcess, RedisProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_SECONDS = 180  # a cold start converts the GGUF; a warm one takes a few seconds
@@ -55,10 +56,16 @@ class Service:
 
 class Cluster:
     def __init__(self, *, workers: int = 2, kv_blocks: int = 256, max_batch_size: int = 64, threads: int = 1,
-                 redis_args: tuple[str, ...] = (), **settings: object) -> None:
+                 redis_args: tuple[str, ...] = (), redis_replicas: int = 0, **settings: object) -> None:
+        """redis_replicas > 0: a Redis that fails over (tests/redis_server.py RedisGroupProcess), every
+        service through its Sentinels, the gateway accepting once a replica holds a request."""
         self.workers_at_start = workers
         self.directory = Path(tempfile.mkdtemp(prefix="iterserve-chaos-"))
-        self.redis = RedisProcess(data_dir=str(self.directory / "redis"), extra_args=redis_args)
+        if redis_replicas:
+            self.redis = RedisGroupProcess(str(self.directory / "redis"), redis_replicas)
+            settings = {"redis_wait_replicas": 1} | settings
+        else:
+            self.redis = RedisProcess(data_dir=str(self.directory / "redis"), extra_args=redis_args)
         os.makedirs(self.redis.data_dir, exist_ok=True)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -209,7 +216,7 @@ class Cluster:
             time.sleep(0.2)
 
     def redis_client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis.url, socket_timeout=10)
+        return sync_client(self.redis.url, 10)
 
     def log(self, name: str) -> str:
         """Every log of the services of that name (a restarted one has several), oldest first."""

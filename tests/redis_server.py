@@ -6,6 +6,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import redis
 
@@ -70,6 +71,93 @@ class RedisProcess:
         self.stop()
         if self._owns_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class RedisGroupProcess:
+    """A Redis that fails over (services/redis_group.py, as `iterserve up --redis-replicas N` runs it):
+    a primary, its replicas and three Sentinels on free 127.0.0.1 ports; `url` goes through the
+    Sentinels. A member killed is started again by restart_stopped (the Sentinels make a primary
+    that comes back a replica of the new one), as the launcher does."""
+
+    def __init__(self, data_dir: str, replicas: int = 1) -> None:
+        from services.redis_group import SENTINELS, RedisGroup
+
+        self.data_dir = data_dir
+        self.group = RedisGroup(Path(data_dir), free_port(), tuple(free_port() for _ in range(replicas)),
+                                tuple(free_port() for _ in range(SENTINELS)))
+        self.url = self.group.url
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._commands: dict[str, list[str]] = {}
+        self._ports: dict[str, int] = {}
+
+    def start(self) -> "RedisGroupProcess":
+        from services.launcher import wait_for_group
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        group = self.group
+        ports = [group.primary_port, *group.replica_ports, *group.sentinel_ports]
+        for (name, command), port in zip(group.commands(binary), ports):
+            self._commands[name], self._ports[name] = command, port
+            self._start(name)
+        wait_for_group(group)
+        return self
+
+    def _start(self, name: str) -> None:
+        self.processes[name] = subprocess.Popen(self._commands[name], stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL)
+
+    def primary_port(self) -> int:
+        """The port of the server the Sentinels name primary now."""
+        from services.redis_group import PRIMARY_NAME
+
+        for port in self.group.sentinel_ports:
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                address = client.sentinel_get_master_addr_by_name(PRIMARY_NAME)
+                if address:
+                    return int(address[1])
+            except redis.exceptions.RedisError:
+                continue
+            finally:
+                client.close()
+        raise RuntimeError("no Sentinel names a primary")
+
+    def kill_primary(self) -> str:
+        """SIGKILL the primary (its host lost); the name of the member killed."""
+        port = self.primary_port()
+        name = next(name for name, member_port in self._ports.items() if member_port == port)
+        self.processes[name].kill()
+        self.processes[name].wait(timeout=10)
+        return name
+
+    def restart_stopped(self, timeout: float = 30.0) -> None:
+        """Start every member that stopped again (a server as a replica of the primary the Sentinels
+        agree on, once they do, as the launcher does)."""
+        from services.redis_group import agreed_primary
+
+        deadline = time.monotonic() + timeout
+        while (primary := agreed_primary(self.group)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Sentinels do not agree on a primary")
+            time.sleep(0.1)
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                if name in self.group.servers():
+                    self._commands[name] = self.group.server_command(self._commands[name][0], name, primary)
+                self._start(name)
+
+    def stop(self, kill: bool = False) -> None:
+        for process in reversed(list(self.processes.values())):  # (the Sentinels first: no failover now)
+            if process.poll() is None:
+                process.kill() if kill else process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
 
 
 @contextlib.contextmanager

@@ -944,6 +944,51 @@ def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_
                longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=recomputed)
 
 
+def test_sigkill_the_redis_primary_sentinel_promotes_its_replica_and_every_accepted_request_completes(
+        baseline, executor):
+    """A Redis that fails over (a primary, a replica, three Sentinels; every service through the
+    Sentinels; a request accepted once the replica holds it): the primary SIGKILLed mid-run, as when
+    its host is lost. The Sentinels promote the replica, every service's next connection goes to
+    it, the scheduler loads the pool from it as after a restart (another run_id), and every request,
+    those running and those accepted during the failover, completes exact, with no gap or duplicate
+    in its stream. The old primary, started again, is made a replica of the new one."""
+    with Cluster(**executor, workers=2, redis_replicas=1) as cluster:
+        times: dict[str, float] = {}
+        extra: dict[str, Output] = {}
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            first = cluster.redis.primary_port()
+            times["killed"] = time.monotonic()
+            killed = await asyncio.to_thread(cluster.redis.kill_primary)
+
+            def promoted() -> bool:
+                try:
+                    return cluster.redis.primary_port() != first
+                except RuntimeError:
+                    return False
+            await until(promoted, "the Sentinels to promote the replica", 30)
+            times["promoted"] = time.monotonic()
+            await asyncio.to_thread(cluster.redis.restart_stopped)  # the old primary comes back, a replica
+            async with session() as http:
+                await asyncio.gather(*(whole_request(http, cluster, spec, extra.setdefault(spec.name, Output()))
+                                       for spec in EXTRA))
+            times["killed_name"] = killed
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        check_same_as_baseline(outputs, baseline, "after the Redis primary was lost")
+        check_same_as_baseline(extra, baseline, "accepted after the failover")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        check_pool_loaded_again_after_the_redis_restart(cluster)
+        assert cluster.redis.primary_port() != cluster.redis.group.primary_port, "no promotion happened"
+        resumed = min(t for output in outputs.values() for _, _, t in output.pieces if t > times["promoted"])
+        report("redis_primary_sigkill_sentinel_failover",
+               promoted_after_seconds=round(times["promoted"] - times["killed"], 2),
+               first_token_after_promotion_seconds=round(resumed - times["promoted"], 2),
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
+
+
 def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_gap(baseline, executor):
     """Redis killed with its last writes lost, as `appendfsync everysec` loses them when an fsync
     is slow (or with its machine): its append-only file is cut back to a second before the kill.

@@ -1,5 +1,6 @@
 """The deployment files users run: compose file valid, Dockerfile and README in step."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -11,17 +12,38 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def compose_run(*files: str, password: str | None = "a-test-password") -> subprocess.CompletedProcess:
+    """`docker-compose config` of the files, with ITERSERVE_REDIS_PASSWORD set to `password` (None: unset)."""
+    if shutil.which("docker-compose") is None:
+        pytest.fail("docker-compose is not installed: `./dev test` installs it (apt-get install docker-compose)")
+    env = {name: value for name, value in os.environ.items() if name != "ITERSERVE_REDIS_PASSWORD"}
+    if password is not None:
+        env["ITERSERVE_REDIS_PASSWORD"] = password
+    arguments = [part for name in files for part in ("-f", name)]
+    return subprocess.run(["docker-compose", *arguments, "config"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
 def compose_config(*files: str) -> dict:
     """The compose files as docker-compose resolves them (anchors and merges applied), parsed."""
     import yaml
 
-    if shutil.which("docker-compose") is None:
-        pytest.fail("docker-compose is not installed: `./dev test` installs it (apt-get install docker-compose)")
-    arguments = [part for name in files for part in ("-f", name)]
-    result = subprocess.run(["docker-compose", *arguments, "config"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    result = compose_run(*files)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
+
+
+def test_compose_refuses_to_start_without_a_redis_password_from_the_environment():
+    """No default password ships: Redis, and every service's URL, take it from the environment."""
+    for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")):
+        refused = compose_run(*files, password=None)
+        assert refused.returncode != 0 and "set ITERSERVE_REDIS_PASSWORD" in refused.stderr, refused.stderr
+    config = compose_config("docker-compose.yml")
+    redis = config["services"]["redis"]
+    assert redis["command"][redis["command"].index("--requirepass") + 1] == "a-test-password"
+    for name in ("gateway", "scheduler", "worker"):
+        assert config["services"][name]["environment"]["REDIS_URL"].startswith("redis://:a-test-password@"), name
+    assert "change-me" not in (REPO / "docker-compose.yml").read_text()
 
 
 def test_the_gpu_compose_file_reserves_a_gpu_for_the_worker_only():

@@ -3,6 +3,7 @@
 tests/test_admission_system.py."""
 
 import shutil
+import sys
 import subprocess
 import tempfile
 import time
@@ -91,3 +92,72 @@ async def test_rediss_with_a_password_works_for_the_services_client(tls_redis):
         await client.aclose()
     plain = f"redis://:tls-pw@127.0.0.1:{port}/0"  # TLS-only: a plain connection never gets an answer
     assert credentials_error(plain, timeout=1.0) is None
+
+
+def test_sentinel_urls_name_their_sentinels_primary_password_and_database():
+    from shared.redis_connection import BadRedisUrl, sentinel_target
+
+    target = sentinel_target("redis+sentinel://:pw%40x@10.0.0.1:26379,sentinel-b:26380,[::1]:26381/mymaster/2")
+    assert target.sentinels == (("10.0.0.1", 26379), ("sentinel-b", 26380), ("::1", 26381))
+    assert (target.primary, target.password, target.db) == ("mymaster", "pw@x", 2)
+    assert sentinel_target("redis://h:1/0") is None
+    assert redacted("redis+sentinel://:s3cret@h:1,g:2/p/0") == "redis+sentinel://***@h:1,g:2/p/0"
+    for bad in ("redis+sentinel://h:1", "redis+sentinel:///p", "redis+sentinel://h/p", "redis+sentinel://h:1/p/x"):
+        with pytest.raises(BadRedisUrl):
+            sentinel_target(bad)
+        assert credentials_error(bad), bad  # said at start, not retried
+
+
+def test_a_redis_that_fails_over_is_reached_through_its_sentinels_and_checked_at_start():
+    """Through the Sentinels a client finds the primary; Sentinels that do not answer, or that know
+    no such primary, are a clear error at start (not a retry loop)."""
+    from tests.redis_server import RedisGroupProcess
+
+    directory = tempfile.mkdtemp(prefix="iterserve-group-")
+    group = RedisGroupProcess(directory, replicas=1).start()
+    try:
+        assert credentials_error(group.url) is None
+        sentinels = ",".join(f"127.0.0.1:{port}" for port in group.group.sentinel_ports)
+        assert "do not monitor a primary named 'other'" in credentials_error(f"redis+sentinel://{sentinels}/other")
+        unanswered = credentials_error(f"redis+sentinel://127.0.0.1:{free_port()}/iterserve/0", timeout=0.5)
+        assert unanswered and "no Sentinel" in unanswered
+        started = time.monotonic()
+        refused = subprocess.run(
+            [sys.executable, "-m", "services.cli", "scheduler", "--redis-url",
+             f"redis+sentinel://127.0.0.1:{free_port()}/iterserve"], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "no Sentinel" in refused.stderr, refused.stderr
+        assert time.monotonic() - started < 30, "a Sentinel that cannot be reached hangs the start"
+    finally:
+        group.stop(kill=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_acceptance_waits_for_a_replica_and_counts_one_it_could_not_wait_for():
+    """The gateway's submit returns once the replica holds the request (WAIT); with the replica gone
+    it returns after redis_wait_ms, and says so."""
+    from services.gateway.store import Store
+    from shared import keys
+    from shared.messages import RequestRecord, SamplingParams
+    from tests.redis_server import RedisGroupProcess
+
+    directory = tempfile.mkdtemp(prefix="iterserve-group-")
+    group = RedisGroupProcess(directory, replicas=1).start()
+    unreplicated = []
+    store = Store(connect(group.url), wait_replicas=1, wait_ms=300, unreplicated=lambda: unreplicated.append(1))
+    replica = redis.Redis(port=group.group.replica_ports[0], socket_timeout=5)
+    try:
+        record = RequestRecord(request_id="0" * 32, prompt_token_ids=(1, 2), sampling=SamplingParams(),
+                               arrival_time=time.time())
+        await store.submit(record)
+        assert replica.hexists(keys.request_key(record.request_id), "record"), "returned before the replica held it"
+        assert not unreplicated
+        group.processes["replica-0"].kill()
+        group.processes["replica-0"].wait(timeout=10)
+        started = time.monotonic()
+        await store.submit(record.model_copy(update={"request_id": "1" * 32}))
+        assert 0.25 < time.monotonic() - started < 3 and unreplicated == [1]
+    finally:
+        replica.close()
+        await store.redis.aclose()
+        group.stop(kill=True)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -114,7 +114,10 @@ async def _name_the_executor(request: web.Request, response: web.StreamResponse)
 
 
 async def _open_redis(app: web.Application) -> None:
-    app[STATE].store = Store(connect(app[STATE].settings.redis_url))
+    state = app[STATE]
+    settings = state.settings
+    state.store = Store(connect(settings.redis_url), settings.redis_wait_replicas, settings.redis_wait_ms,
+                        state.metrics.unreplicated_acceptances.inc)
 
 
 async def _close_redis(app: web.Application) -> None:

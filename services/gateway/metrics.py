@@ -56,6 +56,9 @@ class GatewayMetrics:
             registry=registry,
         )
         self.prompt_tokens = Counter("iterserve_gateway_prompt_tokens", "Prompt tokens accepted", registry=registry)
+        self.unreplicated_acceptances = Counter(
+            "iterserve_gateway_acceptance_unreplicated", "Requests accepted before --redis-wait-replicas replicas "
+            "held them (within --redis-wait-ms): a Redis failover then could lose them", registry=registry)
         self.completion_tokens = Counter(
             "iterserve_gateway_completion_tokens", "Output tokens delivered", registry=registry
         )

@@ -76,8 +76,12 @@ class ClusterView:
 class Store:
     """The gateway's Redis client with every call bounded and none ever cancelled."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, wait_replicas: int = 0, wait_ms: int = 1000,
+                 unreplicated: Callable[[], None] = lambda: None) -> None:
+        """wait_replicas: a request is accepted once this many replicas hold it, or after wait_ms
+        (then `unreplicated` is called)."""
         self.redis = redis
+        self.wait_replicas, self.wait_ms, self.unreplicated = wait_replicas, wait_ms, unreplicated
         self._calls: set[asyncio.Task] = set()
         self._cancel_script = redis.register_script(CANCEL_SCRIPT)
 
@@ -140,6 +144,12 @@ class Store:
                 pipe.sadd(model_keys.active_requests, request_id)
                 pipe.xadd(model_keys.new_requests, {"id": request_id})
                 await pipe.execute()
+            if self.wait_replicas:  # accepted once a replica holds it: a failover loses no accepted request
+                held_by = await self.redis.execute_command("WAIT", self.wait_replicas, self.wait_ms)
+                if held_by < self.wait_replicas:
+                    self.unreplicated()
+                    log.warning("accepted without its replicas id=%s replicas=%d of %d after_ms=%d", request_id,
+                                held_by, self.wait_replicas, self.wait_ms)
 
         async def cancel_orphan() -> None:
             log.info("accepted after its caller left, cancelling id=%s", request_id)
