@@ -88,6 +88,7 @@ class Item:  # what a plan's StepItem carries (the engine reads these attributes
     sample: bool
     output_index: int
     feeds_sampled: bool = False
+    draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Greedy:  # a SamplingParams at its defaults: temperature 0
     repetition_penalty: float = 1.0
     seed: int = 0
     logprobs: int = -1
+    prompt_logprobs: int = -1
     has_penalty: bool = False
     needs_history: bool = False
     logit_bias: tuple = ()

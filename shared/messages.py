@@ -154,6 +154,11 @@ class StepItem(NamedTuple):
     # Pipelined plans: feed the token this worker sampled for the request at output_index - 1
     # (in the plan before, still running when this one was planned); token_ids is then empty.
     feeds_sampled: bool = False
+    # Speculative decoding: the last draft_tokens of token_ids are proposed, not known. The step
+    # samples output indexes output_index .. output_index + draft_tokens, keeps the proposals while
+    # each equals the token sampled before it, and the token after the last one kept: tokens equal to
+    # decoding one at a time (services/worker/speculation.py). Needs sample; no penalties or constraint.
+    draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -147,6 +147,9 @@ class EmulatedEngine(RequestRows):
                  profile.name, profile.device_name, blocks, 1000 * profile.decode_step_seconds(1, 512))
         return engine
 
+    def _draft_refusal(self, item, count: int, row: int) -> str | None:
+        return "the emulated executor does not verify proposed tokens"
+
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
         self._seeds[row] = sampling.seed
 

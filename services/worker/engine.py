@@ -40,6 +40,7 @@ from services.worker.grammar_rows import GrammarRows
 from services.worker.prompt_logprobs import PromptLogprobRows
 from services.worker.sampler import LogitAdjustments, SamplerOutput, sample
 from services.worker.sampling_table import SamplingTable
+from services.worker.speculation import accepted, ragged_arange
 from services.worker.rows import ItemRefusal, RequestRows, StepColumns, StepOutcome, TokenLogprobs
 from services.worker.staging import Staging
 from services.worker.token_history import TokenHistory
@@ -268,6 +269,13 @@ class Engine(RequestRows):
             else:
                 self._grammars.start(row, sampling.structured)
 
+    def _draft_refusal(self, item: "StepItem", count: int, row: int) -> str | None:
+        if not self.samples or self.sends_sampled:  # (the tokens kept would have to travel back between stages)
+            return "speculation is not served by pipeline-parallel workers"
+        if self._params[row].logprobs >= 0:
+            return "a request that asks for logprobs is not speculated"
+        return super()._draft_refusal(item, count, row)
+
     def _refusal(self, sampling: "SamplingParams") -> str | None:
         if sampling.structured is not None and self._grammars is None:
             return "this engine was made without a grammar compiler: it cannot constrain an output"
@@ -361,8 +369,15 @@ class Engine(RequestRows):
         decodes = counts == 1
         all_output_indices = np.asarray(columns.output_indices, dtype=np.int64)
         prompt = self._prompt_logprobs.asking(rows, all_output_indices, query_starts, counts, sampled)
+        # The positions whose next token is sampled: each sampled item's last, and a speculating item's
+        # last draft_tokens + 1 (services/worker/speculation.py)
+        per_item = np.asarray(columns.drafts, dtype=np.int64)[sampled] + 1 if columns.any_drafts else None
+        if per_item is None:
+            sample_positions = (query_starts + counts - 1)[sampled]
+        else:
+            sample_positions = np.repeat((query_starts + counts)[sampled] - per_item, per_item) + ragged_arange(per_item)
         try:
-            if (self.graphs is not None and prompt is None and decodes.all()
+            if (self.graphs is not None and prompt is None and per_item is None and decodes.all()
                     and self.graphs.fits(rows.size, int(starts.max()) + 1)):
                 logits = self.graphs.run(token_ids, stage("positions", positions), slot_mapping, rows, starts + 1)
                 if not sampled.all():
@@ -376,7 +391,7 @@ class Engine(RequestRows):
                 layout = StepLayout(rows, query_starts, counts, starts)
                 batch = build_batch(self.attention, layout, slot_mapping, kv_cache, config.n_heads // config.n_kv_heads,
                                     config.n_kv_heads * config.head_dim, device, self.model.dtype, workspace)
-                logit_rows = (query_starts + counts - 1)[sampled]
+                logit_rows = sample_positions
                 if prompt is not None:  # and the prompt positions whose log-probabilities are asked for
                     logit_rows = np.concatenate([logit_rows, prompt.positions])
                 logits = self.model.forward(token_ids, stage("positions", positions), batch, kv_cache,
@@ -391,8 +406,11 @@ class Engine(RequestRows):
         output_indices = all_output_indices[sampled]
         if prompt is not None and logits is not None:
             outcome.prompt_logprobs = self._prompt_logprobs.take(
-                prompt, logits[sampled_rows.size :], columns.request_ids, rows, starts, counts, columns.fed_tokens)
-            logits = logits[: sampled_rows.size]
+                prompt, logits[sample_positions.size :], columns.request_ids, rows, starts, counts, columns.fed_tokens)
+            logits = logits[: sample_positions.size]
+        if per_item is not None:
+            self._verify(columns, logits, rows, starts, counts, sampled, all_output_indices, per_item, outcome)
+            return
         if logits is None:  # a stage before the last: its tokens come from the last stage
             entry = None
             if sampled_rows.size:
@@ -416,6 +434,31 @@ class Engine(RequestRows):
         outcome.tokens = dict(zip(request_ids, tokens.tolist()))
         if result.logprob is not None:
             self._take_logprobs(result, request_ids, [self._params[row] for row in sampled_rows.tolist()], outcome)
+
+    def _verify(self, columns: StepColumns, logits: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
+                counts: np.ndarray, sampled: np.ndarray, output_indices: np.ndarray, per_item: np.ndarray,
+                outcome: StepOutcome) -> None:
+        """A step with speculating items (services/worker/speculation.py): sample every item's
+        per_item positions ([sum(per_item), V] logits), keep each item's proposals while they equal
+        the tokens sampled, and roll its KV length back to what it kept."""
+        item_rows = rows[sampled]
+        sample_rows = np.repeat(item_rows, per_item)
+        result = self._sample(logits, sample_rows, np.repeat(output_indices[sampled], per_item) + ragged_arange(per_item))
+        tokens = result.token_ids.cpu().numpy()  # (the step's last wait for the device)
+        proposed = [tuple(fed[len(fed) - count + 1 :]) for fed, count in
+                    zip((fed for fed, sample_it in zip(columns.fed_tokens, columns.sample) if sample_it), per_item)]
+        kept = accepted(tokens, proposed, per_item)
+        firsts = np.cumsum(per_item) - per_item
+        lasts = firsts + kept  # each item's last token: the one sampled after its last proposal kept
+        self.kv_cache.lengths[item_rows] = (starts + counts)[sampled] - per_item + 1 + kept
+        self.last_token.index_copy_(0, self._staging.to_device("sampled_rows", item_rows),
+                                    result.token_ids[self._staging.to_device("kept_last", lasts)])
+        request_ids = self.sampled(columns, tokens[lasts])
+        self._last_output_index[item_rows] = output_indices[sampled] + kept
+        listed = tokens.tolist()
+        outcome.tokens = {request_id: listed[first] for request_id, first in zip(request_ids, firsts.tolist())}
+        outcome.speculated = {request_id: listed[first : last + 1] for request_id, first, last, count in
+                              zip(request_ids, firsts.tolist(), lasts.tolist(), per_item.tolist()) if count > 1}
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, output_indices: np.ndarray) -> SamplerOutput:
         """The next token of each sampled row ([rows, V] logits, in the order of `rows`)."""

@@ -85,7 +85,7 @@ class PlanReader:
                 continue
             if wire_steps:
                 item_steps.append(wire_steps[position])
-            items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True)))
+            items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True, 0)))
             item_handles.append(handle)
         token_list, decodes = wire.tokens, len(wire.decode_handles)
         for index, (handle, start, end, count, sample, output_index) in enumerate(zip(
@@ -119,7 +119,7 @@ class PlanReader:
         kept = [(item, handle) for item, handle, count in zip(plan.items, decoded.item_handles,
                                                               item_steps or repeat(decoded.steps)) if count > step]
         items = tuple([from_fields(StepItem, (item.request_id, (), kv_length(item.request_id), True,
-                                              item.output_index + 1, True)) for item, _ in kept])
+                                              item.output_index + 1, True, 0)) for item, _ in kept])
         return DecodedPlan(
             BatchPlan(scheduler_epoch=plan.scheduler_epoch, plan_id=plan.plan_id + 1, worker_id=plan.worker_id,
                       items=items),
@@ -166,7 +166,7 @@ class StepAnswers:
         if first:
             self._first = decoded
         slot_of, is_open = self._slot_of, self._open
-        for (request_id, _, _, _, output_index, _), handle in zip(decoded.plan.items, decoded.item_handles):
+        for (request_id, _, _, _, output_index, _, _), handle in zip(decoded.plan.items, decoded.item_handles):
             token = tokens.get(request_id)
             slot = slot_of.get(handle)
             if token is None or not (first or slot is not None and is_open[slot]):

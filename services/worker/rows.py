@@ -42,6 +42,9 @@ class StepOutcome:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     errors: list[ItemRefusal] = field(default_factory=list)  # items that did not run
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked for them
+    # Speculating items' tokens (StepItem.draft_tokens): every token kept, from output_index on (its
+    # first is also in `tokens`)
+    speculated: dict[str, list[int]] = field(default_factory=dict)
     # Requests that asked for their prompt's (services/worker/prompt_logprobs.py PromptLogprobs)
     prompt_logprobs: dict[str, "PromptLogprobs"] = field(default_factory=dict)
     seconds: float = 0.0
@@ -200,6 +203,9 @@ class RequestRows:
             if start + count > context_length:
                 refuse(request_id, "bad_item", f"exceeds the context length {context_length}")
                 continue
+            if item.draft_tokens and (reason := self._draft_refusal(item, count, row)):
+                refuse(request_id, "bad_item", reason)
+                continue
             held = lengths[row]
             if start == 0 and held:
                 self._free_kv(row)  # a rebuild from the first token
@@ -217,6 +223,14 @@ class RequestRows:
                     continue
             columns.add(request_id, row, start, count, item, last_token[row])
         return columns if columns.request_ids else None
+
+    def _draft_refusal(self, item: "StepItem", count: int, row: int) -> str | None:
+        """Why an item with proposed tokens cannot be verified here, or None."""
+        if item.feeds_sampled or not item.sample or not 0 < item.draft_tokens < count:
+            return f"{item.draft_tokens} draft tokens need a sampled item of more tokens than that"
+        if self._params[row].needs_history:  # (its history would hold the proposals not kept)
+            return "a request with penalties or a constraint is not speculated"
+        return None
 
     def sampled(self, columns: "StepColumns", tokens: np.ndarray) -> list[str]:
         """Note the tokens the step sampled (one per sampled item, in item order); their request ids."""
@@ -241,6 +255,8 @@ class StepColumns:
     feed_positions: list[int] = field(default_factory=list)  # where in token_ids a sampled token goes
     feed_rows: list[int] = field(default_factory=list)  # and whose
     fed_tokens: list[tuple[int, ...]] = field(default_factory=list)  # each item's tokens, as the host knows them
+    drafts: list[int] = field(default_factory=list)  # each item's proposed tokens (StepItem.draft_tokens)
+    any_drafts: bool = False
 
     def add(self, request_id: str, row: int, start: int, count: int, item: "StepItem", last_token: int) -> None:
         self.request_ids.append(request_id)
@@ -249,6 +265,8 @@ class StepColumns:
         self.counts.append(count)
         self.sample.append(item.sample)
         self.output_indices.append(item.output_index)
+        self.drafts.append(item.draft_tokens)
+        self.any_drafts = self.any_drafts or item.draft_tokens > 0
         if item.feeds_sampled:
             self.feed_positions.append(len(self.token_ids))
             self.feed_rows.append(row)

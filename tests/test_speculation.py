@@ -1,0 +1,114 @@
+"""Speculative decoding's verification in the engine (services/worker/speculation.py): a step that
+feeds proposed tokens keeps them while each equals the token sampled where it stands, so a request's
+tokens equal decoding one token a step, greedy and seeded, whatever proposed them (the request's own
+later tokens: all kept; random tokens: almost none kept; n-gram lookup), alone and beside a request
+decoding plainly in the same steps; its KV length is rolled back to what it kept."""
+
+import random
+
+import pytest
+
+from services.worker.speculation import accepted, propose_ngram
+from shared.messages import SamplingParams, StepItem
+from tests.engine_helpers import decode_item, generate_alone, prefill_item, tiny_engine
+
+PROMPT = [5, 17, 23, 99, 5, 17, 23, 99, 5, 17, 41, 8, 5, 17, 23]  # something to look up
+COUNT = 40
+SAMPLINGS = {"greedy": SamplingParams(max_tokens=COUNT, ignore_eos=True),
+             "seeded": SamplingParams(max_tokens=COUNT, temperature=0.9, seed=7, ignore_eos=True)}
+
+
+def speculate(engine, request_id: str, prompt: list[int], sampling: SamplingParams, propose, count: int = COUNT,
+              neighbour: str | None = None) -> tuple[list[int], list[int]]:
+    """The request's tokens, decoded with the proposer's tokens verified each step (a neighbour
+    request decoding plainly in the same steps when named); and how many proposals each step kept."""
+    engine.add_request(request_id, sampling)
+    output = [engine.step([prefill_item(request_id, prompt)]).tokens[request_id]]
+    neighbour_output = []
+    if neighbour:
+        engine.add_request(neighbour, SAMPLINGS["greedy"])
+        neighbour_output = [engine.step([prefill_item(neighbour, prompt[::-1])]).tokens[neighbour]]
+    kept_per_step = []
+    while len(output) < count:
+        drafts = propose(prompt + output, len(output))[: count - len(output) - 1]
+        start = len(prompt) + len(output) - 1
+        items = [StepItem(request_id, (output[-1], *drafts), start, True, len(output), False, len(drafts))]
+        if neighbour:
+            items.append(decode_item(neighbour, neighbour_output[-1], len(prompt) + len(neighbour_output) - 1,
+                                     len(neighbour_output)))
+        step = engine.step(items)
+        assert not step.errors, step.errors
+        new = step.speculated.get(request_id, [step.tokens[request_id]])
+        assert new[0] == step.tokens[request_id] and 1 <= len(new) <= len(drafts) + 1
+        kept_per_step.append(len(new) - 1)
+        output += new
+        assert engine.kv_length(request_id) == len(prompt) + len(output) - 1, "KV not rolled back to what was kept"
+        if neighbour:
+            neighbour_output.append(step.tokens[neighbour])
+    engine.free(request_id)
+    if neighbour:
+        engine.free(neighbour)
+        assert neighbour_output == generate_alone(tiny_engine(), "alone", prompt[::-1], len(neighbour_output))
+    return output[:count], kept_per_step
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+def test_verified_proposals_give_the_tokens_of_decoding_one_at_a_time(sampling):
+    params = SAMPLINGS[sampling]
+    expected = generate_alone(tiny_engine(), "plain", PROMPT, COUNT, params)
+    engine = tiny_engine()
+    own, kept = speculate(engine, "own", PROMPT, params, lambda tokens, done: expected[done : done + 4])
+    assert own == expected and all(count == 4 for count in kept[:-2]), kept  # the right tokens: all kept
+    chance = random.Random(3)
+    guessed, kept = speculate(engine, "random", PROMPT, params,
+                              lambda tokens, done: [chance.randrange(200) for _ in range(3)])
+    assert guessed == expected and sum(kept) <= 2, kept
+    looked_up, kept = speculate(engine, "ngram", PROMPT, params, lambda tokens, done: propose_ngram(tokens, 4, 1, 3),
+                                neighbour="plain-beside")
+    assert looked_up == expected
+
+
+def test_a_proposal_the_step_cannot_verify_is_refused():
+    engine = tiny_engine()
+    engine.add_request("penalised", SamplingParams(max_tokens=8, repetition_penalty=1.3))
+    engine.add_request("logprobs", SamplingParams(max_tokens=8, logprobs=1))
+    engine.add_request("plain", SamplingParams(max_tokens=8))
+    step = engine.step([prefill_item(name, PROMPT) for name in ("penalised", "logprobs", "plain")])
+    start = len(PROMPT)
+    items = [StepItem("penalised", (step.tokens["penalised"], 3), start, True, 1, False, 1),
+             StepItem("logprobs", (step.tokens["logprobs"], 3), start, True, 1, False, 1),
+             StepItem("plain", (step.tokens["plain"], 3), start, False, 1, False, 1),  # not sampled
+             ]
+    refused = engine.step(items).errors
+    assert [(error.request_id, error.code) for error in refused] == [
+        ("penalised", "bad_item"), ("logprobs", "bad_item"), ("plain", "bad_item")]
+    assert engine.step([StepItem("plain", (step.tokens["plain"],), start, True, 1, False, 1)]).errors, \
+        "as many drafts as tokens"
+
+
+def test_acceptance_counts_the_proposals_before_the_first_that_differs():
+    import numpy as np
+
+    sampled = np.array([7, 8, 9, 1, 2, 5, 6, 4, 3])
+    assert accepted(sampled, [(7, 8, 0), (), (5, 3), ()], np.array([4, 1, 3, 1])).tolist() == [2, 0, 1, 0]
+    assert propose_ngram([1, 2, 3, 9, 1, 2], 2) == [3, 9]
+    assert propose_ngram([1, 2, 3, 1, 2, 4, 1, 2], 3, 2, 2) == [4, 1, 2]  # the latest occurrence
+    assert propose_ngram([1, 2, 3], 2) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+def test_the_packaged_model_with_prompt_lookup_gives_the_tokens_of_decoding_one_at_a_time(engine_alone, tokenizer,
+                                                                                            sampling):
+    """SmolLM2 asked to copy a passage: n-gram lookup proposes most of it and the tokens are those of
+    decoding one token a step (greedy, and seeded at temperature 0.9)."""
+    passage = ("The harbor town woke slowly on winter mornings. Before the sun cleared the hills, the fishing boats "
+               "were already back at the pier, their decks crowded with crates of silver mackerel.")
+    prompt = tokenizer.encode_chat([{"role": "user", "content": f"Copy this text exactly:\n\n{passage}"}])
+    params = SAMPLINGS[sampling]
+    expected = generate_alone(engine_alone, "plain", prompt, COUNT, params)
+    looked_up, kept = speculate(engine_alone, "ngram", prompt, params,
+                                lambda tokens, done: propose_ngram(tokens, 4, 2, 4))
+    assert looked_up == expected
+    if sampling == "greedy":
+        assert sum(kept) >= COUNT // 2, f"prompt lookup kept only {sum(kept)} of {COUNT} tokens: {kept}"
