@@ -112,3 +112,22 @@ def test_the_packaged_model_with_prompt_lookup_gives_the_tokens_of_decoding_one_
     assert looked_up == expected
     if sampling == "greedy":
         assert sum(kept) >= COUNT // 2, f"prompt lookup kept only {sum(kept)} of {COUNT} tokens: {kept}"
+
+
+def test_a_request_beside_a_speculating_one_keeps_its_logprobs():
+    """The rows of a verifying step that do not speculate get what they get in any step: their token
+    and, when asked, its log-probabilities."""
+    asks = SamplingParams(max_tokens=8, logprobs=2)
+    alone = tiny_engine()
+    alone.add_request("asks", asks)
+    first = alone.step([prefill_item("asks", PROMPT)]).tokens["asks"]
+    expected = alone.step([decode_item("asks", first, len(PROMPT), 1)])
+    engine = tiny_engine()
+    engine.add_request("asks", asks)
+    engine.add_request("speculates", SAMPLINGS["greedy"])
+    step = engine.step([prefill_item("asks", PROMPT), prefill_item("speculates", PROMPT[::-1])])
+    beside = engine.step([decode_item("asks", step.tokens["asks"], len(PROMPT), 1),
+                          StepItem("speculates", (step.tokens["speculates"], 1, 2), len(PROMPT), True, 1, False, 2)])
+    assert not beside.errors and beside.tokens["asks"] == expected.tokens["asks"]
+    got, want = beside.logprobs["asks"], expected.logprobs["asks"]
+    assert abs(got.logprob - want.logprob) < 1e-4 and [token for token, _ in got.top] == [token for token, _ in want.top]

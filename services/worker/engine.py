@@ -453,8 +453,16 @@ class Engine(RequestRows):
         self.kv_cache.lengths[item_rows] = (starts + counts)[sampled] - per_item + 1 + kept
         self.last_token.index_copy_(0, self._staging.to_device("sampled_rows", item_rows),
                                     result.token_ids[self._staging.to_device("kept_last", lasts)])
+        # (the rows beside the speculating ones, one token each, as in _run: constraints, logprobs)
+        if self._grammars is not None:
+            self._grammars.consume(item_rows, output_indices[sampled] + kept, tokens[lasts])
         request_ids = self.sampled(columns, tokens[lasts])
         self._last_output_index[item_rows] = output_indices[sampled] + kept
+        if result.logprob is not None:  # (a speculating row asks for none: its last token is its only one)
+            picked = self._staging.to_device("kept_last", lasts)
+            self._take_logprobs(SamplerOutput(result.token_ids[picked], result.logprob[picked], result.top_ids[picked],
+                                              result.top_logprobs[picked]),
+                                request_ids, [self._params[row] for row in item_rows.tolist()], outcome)
         listed = tokens.tolist()
         outcome.tokens = {request_id: listed[first] for request_id, first in zip(request_ids, firsts.tolist())}
         outcome.speculated = {request_id: listed[first : last + 1] for request_id, first, last, count in
