@@ -14,6 +14,8 @@ token entries a promoted replica lacks are sampled again, the same tokens (seeds
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 SENTINELS = 3
 QUORUM = 2
 PRIMARY_NAME = "iterserve"  # the name the Sentinels monitor the primary under
@@ -74,8 +76,6 @@ def agreed_primary(group: RedisGroup, timeout: float = 0.5) -> int | None:
     failover under way) or none answers. A server that stopped is started again as a replica of
     this one, never as a primary beside it (clients that asked a Sentinel not yet told of a
     promotion would write to it)."""
-    import redis
-
     named = set()
     for port in group.sentinel_ports:
         client = redis.Redis(host=group.host, port=port, socket_connect_timeout=timeout, socket_timeout=timeout)

@@ -371,7 +371,11 @@ class Engine(RequestRows):
         prompt = self._prompt_logprobs.asking(rows, all_output_indices, query_starts, counts, sampled)
         # The positions whose next token is sampled: each sampled item's last, and a speculating item's
         # last draft_tokens + 1 (services/worker/speculation.py)
-        per_item = np.asarray(columns.drafts, dtype=np.int64)[sampled] + 1 if columns.any_drafts else None
+        per_item = None
+        if columns.drafts:
+            per_column = np.ones(rows.size, dtype=np.int64)
+            per_column[list(columns.drafts)] += list(columns.drafts.values())
+            per_item = per_column[sampled]
         if per_item is None:
             sample_positions = (query_starts + counts - 1)[sampled]
         else:

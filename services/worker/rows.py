@@ -203,7 +203,8 @@ class RequestRows:
             if start + count > context_length:
                 refuse(request_id, "bad_item", f"exceeds the context length {context_length}")
                 continue
-            if item.draft_tokens and (reason := self._draft_refusal(item, count, row)):
+            drafts = item.draft_tokens
+            if drafts and (reason := self._draft_refusal(item, count, row)):
                 refuse(request_id, "bad_item", reason)
                 continue
             held = lengths[row]
@@ -221,6 +222,8 @@ class RequestRows:
                 except KVCacheFull as full:
                     refuse(request_id, "kv_cache_full", str(full))
                     continue
+            if drafts:
+                columns.drafts[len(columns.request_ids)] = drafts
             columns.add(request_id, row, start, count, item, last_token[row])
         return columns if columns.request_ids else None
 
@@ -255,8 +258,8 @@ class StepColumns:
     feed_positions: list[int] = field(default_factory=list)  # where in token_ids a sampled token goes
     feed_rows: list[int] = field(default_factory=list)  # and whose
     fed_tokens: list[tuple[int, ...]] = field(default_factory=list)  # each item's tokens, as the host knows them
-    drafts: list[int] = field(default_factory=list)  # each item's proposed tokens (StepItem.draft_tokens)
-    any_drafts: bool = False
+    # Speculating items' proposed tokens (StepItem.draft_tokens), by item index (most steps: none)
+    drafts: dict[int, int] = field(default_factory=dict)
 
     def add(self, request_id: str, row: int, start: int, count: int, item: "StepItem", last_token: int) -> None:
         self.request_ids.append(request_id)
@@ -265,8 +268,6 @@ class StepColumns:
         self.counts.append(count)
         self.sample.append(item.sample)
         self.output_indices.append(item.output_index)
-        self.drafts.append(item.draft_tokens)
-        self.any_drafts = self.any_drafts or item.draft_tokens > 0
         if item.feeds_sampled:
             self.feed_positions.append(len(self.token_ids))
             self.feed_rows.append(row)
