@@ -28,7 +28,7 @@ import redis
 from shared.config import Settings, cpu_list, cpu_text, threads_per_worker
 from shared.exits import CONFIGURATION_ERROR
 from shared.served_models import served_models
-from services.redis_group import PRIMARY_NAME, SENTINELS, RedisGroup, agreed_primary
+from services.redis_group import PRIMARY_NAME, SENTINELS, RedisGroup, restart_under
 from shared.redis_connection import credentials_error, redacted
 
 log = logging.getLogger("iterserve.up")
@@ -149,7 +149,9 @@ def redis_group_children(data_dir: Path, replicas: int, cpus: frozenset[int] | N
 
 
 def wait_for_group(group: RedisGroup, timeout: float = 20.0) -> None:
-    """Until the primary answers, every replica is in sync with it and every Sentinel names it."""
+    """Until the primary answers, every replica is in sync with it and every Sentinel names it and
+    knows every replica and every other Sentinel (a Sentinel learns of replicas from the primary's
+    INFO every 10 s, of the others every 2 s: before that it could not promote a replica)."""
     deadline = time.monotonic() + timeout
     wait_for_redis(group.server_url(group.primary_port), timeout)
     primary = redis.Redis.from_url(group.server_url(group.primary_port), socket_connect_timeout=0.5)
@@ -161,8 +163,11 @@ def wait_for_group(group: RedisGroup, timeout: float = 20.0) -> None:
                 synced = sum(1 for name, value in primary.info("replication").items()
                              if name.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
                 named = [sentinel.sentinel_get_master_addr_by_name(PRIMARY_NAME) for sentinel in sentinels]
-                if synced >= len(group.replica_ports) and all(address and int(address[1]) == group.primary_port
-                                                               for address in named):
+                known = [sentinel.sentinel_master(PRIMARY_NAME) for sentinel in sentinels]
+                if (synced >= len(group.replica_ports)
+                        and all(address and int(address[1]) == group.primary_port for address in named)
+                        and all(int(state["num-slaves"]) >= len(group.replica_ports)
+                                and int(state["num-other-sentinels"]) >= len(sentinels) - 1 for state in known)):
                     return
             except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError, redis.exceptions.TimeoutError):
                 pass
@@ -314,9 +319,9 @@ def run_up(settings: Settings) -> int:
                 child.process, child.exited_at = None, time.monotonic()
             elif child.process is None and time.monotonic() - child.exited_at > RESTART_BACKOFF_SECONDS:
                 if child in redis_processes and child.name in group.servers():
-                    primary = agreed_primary(group)
+                    primary = restart_under(group, child.name, time.monotonic() - child.exited_at)
                     if primary is None:
-                        continue  # a failover under way: started once the Sentinels agree on its primary
+                        continue  # started once the Sentinels agree on its primary (a promotion, if it was it)
                     child.command = group.server_command(child.command[0], child.name, primary)
                 child.start()
 

@@ -11,6 +11,7 @@ holds it (Settings.redis_wait_replicas, Redis's WAIT), so a promotion loses no a
 token entries a promoted replica lacks are sampled again, the same tokens (seeds make them so).
 """
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,9 @@ QUORUM = 2
 PRIMARY_NAME = "iterserve"  # the name the Sentinels monitor the primary under
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
+# how long a lost primary waits for the Sentinels to promote a replica before it is started again as
+# the primary itself (no replica could take over)
+PROMOTION_WAIT_SECONDS = (DOWN_AFTER_MS + FAILOVER_TIMEOUT_MS) / 1000
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,25 @@ class RedisGroup:
             directory = self.data_dir / f"sentinel-{index}"
             directory.mkdir(parents=True, exist_ok=True)
             config = directory / "sentinel.conf"
+            # (told of the replicas and of each other here: on its own a Sentinel learns of replicas
+            # from the primary's INFO every 10 s, and could promote none until then)
+            replicas = "".join(f"sentinel known-replica {PRIMARY_NAME} {self.host} {replica}\n"
+                               for replica in self.replica_ports)
+            others = "".join(f"sentinel known-sentinel {PRIMARY_NAME} {self.host} {other} {sentinel_id(other)}\n"
+                             for other in self.sentinel_ports if other != port)
             config.write_text(
-                f"port {port}\nbind {self.host}\ndir {directory}\n"
+                f"port {port}\nbind {self.host}\ndir {directory}\nsentinel myid {sentinel_id(port)}\n"
                 f"sentinel monitor {PRIMARY_NAME} {self.host} {self.primary_port} {QUORUM}\n"
                 f"sentinel down-after-milliseconds {PRIMARY_NAME} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {PRIMARY_NAME} {FAILOVER_TIMEOUT_MS}\n"
-                f"sentinel parallel-syncs {PRIMARY_NAME} 1\n")
+                f"sentinel parallel-syncs {PRIMARY_NAME} 1\n{replicas}{others}")
             commands.append((f"sentinel-{index}", [binary, str(config), "--sentinel"]))
         return commands
+
+
+def sentinel_id(port: int) -> str:
+    """A Sentinel's run id (40 hex digits), set in its configuration so the others can be told it."""
+    return hashlib.sha1(f"iterserve-sentinel-{port}".encode()).hexdigest()
 
 
 def agreed_primary(group: RedisGroup, timeout: float = 0.5) -> int | None:
@@ -87,3 +102,17 @@ def agreed_primary(group: RedisGroup, timeout: float = 0.5) -> int | None:
             client.close()
         named.add(int(address[1]) if address else None)
     return named.pop() if len(named) == 1 else None
+
+
+def restart_under(group: RedisGroup, name: str, down_for: float) -> int | None:
+    """The primary's port that the lost server `name`, down for `down_for` seconds, starts again
+    under (its own: as the primary), or None to wait. A lost primary waits for the promotion: the
+    Sentinels notice it is gone only after DOWN_AFTER_MS and promote a replica some time later; one
+    started again as the primary before that either keeps the group from failing over or is made a
+    replica under the clients that wrote to it in between."""
+    primary = agreed_primary(group)
+    if primary is None:
+        return None  # a failover under way
+    if primary == group.servers()[name] and down_for < PROMOTION_WAIT_SECONDS:
+        return None
+    return primary

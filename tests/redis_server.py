@@ -89,6 +89,7 @@ class RedisGroupProcess:
         self.processes: dict[str, subprocess.Popen] = {}
         self._commands: dict[str, list[str]] = {}
         self._ports: dict[str, int] = {}
+        self._stopped_at: dict[str, float] = {}  # a member killed by kill_primary: when (monotonic)
 
     def start(self) -> "RedisGroupProcess":
         from services.launcher import wait_for_group
@@ -130,23 +131,26 @@ class RedisGroupProcess:
         name = next(name for name, member_port in self._ports.items() if member_port == port)
         self.processes[name].kill()
         self.processes[name].wait(timeout=10)
+        self._stopped_at[name] = time.monotonic()
         return name
 
     def restart_stopped(self, timeout: float = 30.0) -> None:
-        """Start every member that stopped again (a server as a replica of the primary the Sentinels
-        agree on, once they do, as the launcher does)."""
-        from services.redis_group import agreed_primary
+        """Start every member that stopped again: a server as a replica of the primary the Sentinels
+        agree on, once they do (a lost primary once they promoted a replica), as the launcher does."""
+        from services.redis_group import restart_under
 
         deadline = time.monotonic() + timeout
-        while (primary := agreed_primary(self.group)) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Sentinels do not agree on a primary")
-            time.sleep(0.1)
         for name, process in self.processes.items():
-            if process.poll() is not None:
-                if name in self.group.servers():
-                    self._commands[name] = self.group.server_command(self._commands[name][0], name, primary)
-                self._start(name)
+            if process.poll() is None:
+                continue
+            if name in self.group.servers():
+                stopped_at = self._stopped_at.get(name, 0.0)
+                while (primary := restart_under(self.group, name, time.monotonic() - stopped_at)) is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the Sentinels do not agree on a primary")
+                    time.sleep(0.1)
+                self._commands[name] = self.group.server_command(self._commands[name][0], name, primary)
+            self._start(name)
 
     def stop(self, kill: bool = False) -> None:
         for process in reversed(list(self.processes.values())):  # (the Sentinels first: no failover now)

@@ -132,6 +132,46 @@ def test_a_redis_that_fails_over_is_reached_through_its_sentinels_and_checked_at
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_lost_primary_is_started_again_only_as_a_replica_of_the_one_promoted():
+    """The launcher's rule for a lost primary: wait while the Sentinels still name it (they notice
+    only after DOWN_AFTER_MS, and promote later: started as the primary before that, it has the
+    group not fail over, or is promoted away under clients that reached it), then start it as a
+    replica of the one promoted; as the primary only when none is promoted in
+    PROMOTION_WAIT_SECONDS."""
+    from services.redis_group import restart_under
+    from tests.redis_server import RedisGroupProcess
+
+    directory = tempfile.mkdtemp(prefix="iterserve-group-")
+    group = RedisGroupProcess(directory, replicas=1).start()
+    try:
+        primary = group.group.primary_port
+        assert group.kill_primary() == "redis"
+        assert restart_under(group.group, "redis", 0.0) is None, "started again before a promotion"
+        assert restart_under(group.group, "redis", 60.0) == primary  # none promoted in time: the primary
+        assert restart_under(group.group, "replica-0", 0.0) == primary  # (a lost replica waits for nothing)
+        deadline = time.monotonic() + 30
+        while (port := restart_under(group.group, "redis", 0.0)) is None:
+            assert time.monotonic() < deadline, "no promotion"
+            time.sleep(0.1)
+        assert port == group.group.replica_ports[0]
+        group.restart_stopped()
+        replica = redis.Redis(port=primary, socket_timeout=2)
+        try:
+            while True:  # the old primary back, a replica
+                try:
+                    if replica.info("replication")["role"] == "slave":
+                        break
+                except redis.exceptions.RedisError:  # not up yet, or loading its data
+                    pass
+                assert time.monotonic() < deadline, "the old primary did not come back as a replica"
+                time.sleep(0.1)
+        finally:
+            replica.close()
+    finally:
+        group.stop(kill=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 async def test_acceptance_waits_for_a_replica_and_counts_one_it_could_not_wait_for():
     """The gateway's submit returns once the replica holds the request (WAIT); with the replica gone
     it returns after redis_wait_ms, and says so."""
