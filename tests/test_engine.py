@@ -214,11 +214,15 @@ def test_mixed_prefill_and_decode_step_equals_solo_runs_real_model(real_engine, 
     mixed_step_matches_solo_runs(real_engine, prompts)
 
 
+@pytest.mark.parametrize("skinny_float32", [True, False])  # (the host decides: both forms stay right)
 @pytest.mark.parametrize("rows", [1, 2, 3, 64, 65, 300])
-def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_threshold(rows):
+def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_threshold(rows, skinny_float32,
+                                                                                       monkeypatch):
+    import services.worker.model as model
     from services.worker.model import SKINNY_ROWS, linear
 
     assert SKINNY_ROWS == 64
+    monkeypatch.setattr(model, "SKINNY_FLOAT32", skinny_float32)
     generator = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 96, generator=generator), torch.randn(160, 96, generator=generator)
     result = linear(x, weight)

@@ -35,16 +35,33 @@ class LayerWeights:
 
 
 # On CPU, a projection of at most this many rows (decode steps, small prefill chunks) runs as
-# (W @ x.T).T: BLAS then streams the weight once for all rows, where x @ W.T runs one pass per row
-# for 2-3 rows and a slow small-M GEMM above (memory-bound; on 2 cores the projections alone ran
-# 1.3-2.5x faster for 2-64 rows and decode steps of 2-48 requests 1.2-1.8x, 1 row unchanged).
-# Long prefill chunks keep x @ W.T, faster there.
+# (W @ x.T).T where that is faster: BLAS then streams the weight once for all rows, where x @ W.T
+# runs one pass per row for 2-3 rows and a slow small-M GEMM above. Which is faster depends on the
+# host's BLAS (benchmarks/projections.py, whole decode steps of SmolLM2-135M on 2 cores): on an AMD
+# EPYC (AVX2) the skinny form ran steps of 2-48 requests 1.2-1.8x faster, 1 row unchanged; on an
+# Intel Xeon (AVX-512, AMX), where MKL takes its own small-M kernels, float32 x @ W.T was faster at
+# every row count (the skinny form 0.47x at 2 rows, 0.74x at 4, 0.91x at 16: a 4-row step cost 2.3x
+# a 1-row one, 1.8x without it), while bfloat16's skinny form stayed 1.07-1.22x faster for 2-16 rows.
+# Long prefill chunks keep x @ W.T, faster everywhere. The choice depends on the host and the row
+# count only, so every worker of a host computes a step alike.
 SKINNY_ROWS = 64
+
+
+def _intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in cpuinfo)
+    except OSError:
+        return False
+
+
+SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (not on Intel's MKL)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for x [T, in], weight [out, in]: [T, out], contiguous."""
-    if x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu":
+    if (x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu"
+            and (SKINNY_FLOAT32 or weight.dtype != torch.float32)):
         return (weight @ x.T).T.contiguous()
     return x @ weight.T
 
