@@ -230,6 +230,24 @@ def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_thr
     torch.testing.assert_close(result, x.double().matmul(weight.double().T).float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pad_one_row", [True, False])
+def test_a_one_row_bfloat16_projection_is_the_row_of_a_two_row_one(pad_one_row, monkeypatch):
+    """Where the CPU has native bfloat16 a single row runs as two (a faster path): its result is
+    exactly that row's in a real two-row projection, and x @ W.T within bfloat16's rounding."""
+    import services.worker.model as model
+
+    monkeypatch.setattr(model, "PAD_ONE_ROW_BFLOAT16", pad_one_row)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(320, 192, generator=generator).bfloat16()
+    x = torch.randn(2, 192, generator=generator).bfloat16()
+    one = model.linear(x[:1], weight)
+    assert one.shape == (1, 320) and one.is_contiguous() and one.dtype == torch.bfloat16
+    if pad_one_row:
+        assert torch.equal(one[0], model.linear(x, weight)[0])
+    exact = x[:1].double() @ weight.double().T
+    assert (one.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
 def test_both_attention_paths_give_the_same_logits():
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(length)] for length in (17, 1, 6)]
