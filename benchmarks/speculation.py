@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--draft", type=int, default=4)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--name", default="speculation", help="results file name (one per host class)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.load()
@@ -138,8 +139,8 @@ def main() -> None:
                          f"{row['proposals_kept']} | {row['tokens_per_step']} | {same} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    RESULTS.joinpath("speculation.md").write_text(text)
-    RESULTS.joinpath("speculation.json").write_text(json.dumps(results, indent=2) + "\n")
+    RESULTS.joinpath(f"{args.name}.md").write_text(text)
+    RESULTS.joinpath(f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
