@@ -60,11 +60,13 @@ def _intel_cpu() -> bool:
 
 
 SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (not on Intel's MKL)
-# A one-row bfloat16 projection runs as two rows (the row twice) where the CPU has native bfloat16:
-# oneDNN's one-row path is slower than its two-row one there (SmolLM2-135M's lm head 1.92 ms
-# against 1.27, a decode step 30.1 ms against 25.3 for two requests); without native bfloat16 a
-# second row costs as much as the first.
-PAD_ONE_ROW_BFLOAT16 = any(flag in _cpuinfo().split() for flag in ("avx512_bf16", "amx_bf16"))
+# A one-row bfloat16 projection runs as two rows (the row twice) where torch runs native bfloat16
+# kernels (AVX-512 dispatch on a CPU with AVX512-BF16 or AMX): oneDNN's one-row path is slower than
+# its two-row one there (SmolLM2-135M's lm head 1.92 ms against 1.27, a decode step 30.1 ms against
+# 25.3 for two requests); without them (AVX2, as on the AMD hosts, or torch held to AVX2 kernels) a
+# second row costs as much as the first, and the one-row path is kept.
+PAD_ONE_ROW_BFLOAT16 = (any(flag in _cpuinfo().split() for flag in ("avx512_bf16", "amx_bf16"))
+                        and torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
