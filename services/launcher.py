@@ -28,7 +28,7 @@ import redis
 from shared.config import Settings, cpu_list, cpu_text, threads_per_worker
 from shared.exits import CONFIGURATION_ERROR
 from shared.served_models import served_models
-from services.redis_group import PRIMARY_NAME, SENTINELS, RedisGroup, restart_under
+from services.redis_group import PRIMARY_NAME, SENTINELS, RedisGroup, promotable_once_synced, restart_under
 from shared.redis_connection import credentials_error, redacted
 
 log = logging.getLogger("iterserve.up")
@@ -306,7 +306,10 @@ def run_up(settings: Settings) -> int:
     # (a member of a Redis group is started again too: a primary that comes back, the Sentinels make
     # a replica of the new one; a lone Redis is not: its restart is the operator's, docs/operations.md)
     restarted = children + (redis_processes if settings.redis_replicas else [])
+    unsynced: set[str] = set()  # Redis servers started again as replicas, not yet promotable
     while not refused and not stop_requested.wait(0.2):
+        for name in [name for name in unsynced if promotable_once_synced(group, name)]:
+            unsynced.discard(name)
         for child in restarted:
             if child.process is not None and not child.running():
                 if child.process.returncode == CONFIGURATION_ERROR:
@@ -322,7 +325,9 @@ def run_up(settings: Settings) -> int:
                     primary = restart_under(group, child.name, time.monotonic() - child.exited_at)
                     if primary is None:
                         continue  # started once the Sentinels agree on its primary (a promotion, if it was it)
-                    child.command = group.server_command(child.command[0], child.name, primary)
+                    child.command = group.server_command(child.command[0], child.name, primary, promotable=False)
+                    if primary != group.servers()[child.name]:
+                        unsynced.add(child.name)
                 child.start()
 
     log.info("event=stopping")

@@ -48,12 +48,18 @@ class RedisGroup:
         """The redis-servers' names and ports (not the Sentinels'), the first one primary at start."""
         return {"redis": self.primary_port} | {f"replica-{index}": port for index, port in enumerate(self.replica_ports)}
 
-    def server_command(self, binary: str, name: str, primary_port: int) -> list[str]:
-        """A redis-server's command line: the primary's, or a replica's of the primary at primary_port."""
+    def server_command(self, binary: str, name: str, primary_port: int, promotable: bool = True) -> list[str]:
+        """A redis-server's command line: the primary's, or a replica's of the primary at primary_port;
+        not promotable (replica-priority 0) until promotable_once_synced says otherwise: a server
+        started again holds its own old data until it has synced, and promoted before that (the new
+        primary missing its Sentinels' pings for DOWN_AFTER_MS under load) it would throw away
+        everything written since it was lost."""
         port = self.servers()[name]
         directory = self.data_dir / name
         directory.mkdir(parents=True, exist_ok=True)
         replica = [] if port == primary_port else ["--replicaof", self.host, str(primary_port)]
+        if replica and not promotable:
+            replica += ["--replica-priority", "0"]
         return [binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "yes",
                 "--appendfsync", "everysec", "--dir", str(directory), *replica]
 
@@ -116,3 +122,21 @@ def restart_under(group: RedisGroup, name: str, down_for: float) -> int | None:
     if primary == group.servers()[name] and down_for < PROMOTION_WAIT_SECONDS:
         return None
     return primary
+
+
+def promotable_once_synced(group: RedisGroup, name: str, timeout: float = 0.5) -> bool:
+    """True once the server `name` (started with promotable=False) is a replica in sync with its
+    primary, and has been made promotable again; False while it is not (yet)."""
+    client = redis.Redis(host=group.host, port=group.servers()[name], socket_connect_timeout=timeout,
+                         socket_timeout=timeout)
+    try:
+        replication = client.info("replication")
+        if replication.get("role") != "slave" or replication.get("master_link_status") != "up" \
+                or replication.get("master_sync_in_progress"):
+            return False
+        client.config_set("replica-priority", 100)
+        return True
+    except (redis.exceptions.RedisError, OSError):
+        return False
+    finally:
+        client.close()

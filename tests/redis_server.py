@@ -137,9 +137,10 @@ class RedisGroupProcess:
     def restart_stopped(self, timeout: float = 30.0) -> None:
         """Start every member that stopped again: a server as a replica of the primary the Sentinels
         agree on, once they do (a lost primary once they promoted a replica), as the launcher does."""
-        from services.redis_group import restart_under
+        from services.redis_group import promotable_once_synced, restart_under
 
         deadline = time.monotonic() + timeout
+        unsynced = []
         for name, process in self.processes.items():
             if process.poll() is None:
                 continue
@@ -149,8 +150,16 @@ class RedisGroupProcess:
                     if time.monotonic() > deadline:
                         raise RuntimeError("the Sentinels do not agree on a primary")
                     time.sleep(0.1)
-                self._commands[name] = self.group.server_command(self._commands[name][0], name, primary)
+                self._commands[name] = self.group.server_command(self._commands[name][0], name, primary,
+                                                                 promotable=False)
+                if primary != self.group.servers()[name]:
+                    unsynced.append(name)
             self._start(name)
+        for name in unsynced:  # (promotable once in sync, as the launcher makes them)
+            while not promotable_once_synced(self.group, name):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not sync with the primary")
+                time.sleep(0.1)
 
     def stop(self, kill: bool = False) -> None:
         for process in reversed(list(self.processes.values())):  # (the Sentinels first: no failover now)

@@ -154,17 +154,15 @@ def test_a_lost_primary_is_started_again_only_as_a_replica_of_the_one_promoted()
             assert time.monotonic() < deadline, "no promotion"
             time.sleep(0.1)
         assert port == group.group.replica_ports[0]
-        group.restart_stopped()
+        # started again holding its old data: not promotable until it has synced
+        assert group.group.server_command("redis-server", "redis", port, promotable=False)[-2:] == [
+            "--replica-priority", "0"]
+        group.restart_stopped()  # (returns once it is in sync and promotable)
         replica = redis.Redis(port=primary, socket_timeout=2)
         try:
-            while True:  # the old primary back, a replica
-                try:
-                    if replica.info("replication")["role"] == "slave":
-                        break
-                except redis.exceptions.RedisError:  # not up yet, or loading its data
-                    pass
-                assert time.monotonic() < deadline, "the old primary did not come back as a replica"
-                time.sleep(0.1)
+            replication = replica.info("replication")
+            assert replication["role"] == "slave" and replication["master_link_status"] == "up", replication
+            assert replica.config_get("replica-priority") == {"replica-priority": "100"}
         finally:
             replica.close()
     finally:

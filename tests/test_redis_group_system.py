@@ -1,7 +1,7 @@
 """`iterserve up --redis-replicas 1` as a user runs it: a primary, a replica and three Sentinels
 beside the services, every service through the Sentinels. Its primary SIGKILLed: the Sentinels
 promote the replica and the system serves on; `up` starts the lost server again as a replica of
-the new primary (never as a second primary); a stop leaves no process behind."""
+the new primary (never as a second primary), promotable once in sync; a stop leaves no process behind."""
 
 import re
 import time
@@ -40,6 +40,17 @@ def role(port: int) -> str | None:
         client.close()
 
 
+def priority(port: int) -> str | None:
+    """Its replica-priority: "0" while it may not be promoted."""
+    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return client.config_get("replica-priority").get("replica-priority")
+    except redis.exceptions.RedisError:
+        return None
+    finally:
+        client.close()
+
+
 def test_up_with_a_replica_fails_over_and_serves_on():
     with System("--redis-replicas", "1", "--executor", "emulated", "--hardware", "h100-qwen2.5-32b",
                 workers=1) as system:
@@ -58,8 +69,9 @@ def test_up_with_a_replica_fails_over_and_serves_on():
             except Exception:
                 assert time.monotonic() < deadline, system.log()[-3000:]
                 time.sleep(0.5)
-        while True:  # the lost server back, a replica of the new primary
-            if primary_port in redis_servers(system) and role(primary_port) == "slave":
+        while True:  # the lost server back, a replica of the new primary, promotable once in sync
+            if primary_port in redis_servers(system) and role(primary_port) == "slave" \
+                    and priority(primary_port) == "100":
                 break
             assert time.monotonic() < deadline, system.log()[-3000:]
             time.sleep(0.2)
