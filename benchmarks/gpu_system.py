@@ -44,9 +44,9 @@ from services.bench.runner import BenchConfig, finite, machine_info, run_benchma
 from services.bench.server import REPO, ServerProcess  # noqa: E402
 from services.bench.workloads import PromptSource, WorkloadConfig, build_requests  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
+from tests.checkpoints import BYTE_VOCABULARY, write_byte_tokenizer  # noqa: E402
 
-END_OF_TEXT = "<|endoftext|>"
-END_OF_TEXT_ID = 256
+END_OF_TEXT_ID = BYTE_VOCABULARY - 1  # (tests/checkpoints.py's byte tokenizer: 256 bytes, then end of text)
 ITERATION_RECORDS_KEPT = 200_000
 
 # The real models' shapes (their config.json), random weights.
@@ -88,27 +88,6 @@ def log(message: str) -> None:
 
 # The model directory
 
-def write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A byte-level BPE: the 256 bytes, the end-of-text token, then filler tokens up to the model's
-    vocabulary (so every id the random model samples decodes to some text)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from shared.tokenizer import byte_to_unicode
-
-    vocabulary = {char: byte for byte, char in byte_to_unicode().items()}
-    vocabulary[END_OF_TEXT] = END_OF_TEXT_ID
-    vocabulary |= {f"w{index}": index for index in range(END_OF_TEXT_ID + 1, vocab_size)}
-    backend = Tokenizer(models.BPE(vocab=vocabulary, merges=[], fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(END_OF_TEXT, special=True, normalized=False)])
-    backend.save(str(directory / "tokenizer.json"))
-    template = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}"
-                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": END_OF_TEXT, "bos_token": None, "chat_template": template}))
-
-
 def write_checkpoint(directory: Path, shape: str, seed: int = 0) -> Path:
     """Random bfloat16 weights of the shape, as a Hugging Face Llama directory (safetensors and torch
     only: the device machine has no transformers)."""
@@ -143,7 +122,7 @@ def write_checkpoint(directory: Path, shape: str, seed: int = 0) -> Path:
                     prefix + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
                     prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(directory, fields["vocab_size"])
+    write_byte_tokenizer(directory, fields["vocab_size"])  # (tests/checkpoints.py: text for every id)
     return directory
 
 

@@ -52,11 +52,16 @@ def transformers_model(variant: str, seed: int = 0, **overrides):
     return model.eval()
 
 
-def write_byte_tokenizer(directory: Path) -> None:
-    """A byte-level BPE of 256 byte tokens and one special end-of-text token, with a chat template."""
+def write_byte_tokenizer(directory: Path, vocab_size: int = BYTE_VOCABULARY) -> None:
+    """A byte-level BPE of 256 byte tokens and one special end-of-text token, with a chat template;
+    with a larger vocab_size, filler tokens after them ("w257", ...: text for every id a random model
+    of that vocabulary samples)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocabulary = {char: byte for byte, char in byte_to_unicode().items()}
+    if vocab_size > BYTE_VOCABULARY:
+        vocabulary[END_OF_TEXT] = BYTE_VOCABULARY - 1
+        vocabulary |= {f"w{index}": index for index in range(BYTE_VOCABULARY, vocab_size)}
     backend = Tokenizer(models.BPE(vocab=vocabulary, merges=[], fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

@@ -9,6 +9,7 @@ The families differ in three places only (shared/model_file.py ARCHITECTURES): Q
 Q/K/V, Qwen3's per-head RMS norm of Q and K, and the rotary frequencies' scaling (Llama 3.1).
 """
 
+import functools
 import math
 
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class LayerWeights:
 SKINNY_ROWS = 64
 
 
+@functools.cache
 def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
