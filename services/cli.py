@@ -15,6 +15,7 @@ over the environment. vLLM's names for the options vLLM has are accepted beside 
 """
 
 import argparse
+import json
 import asyncio
 import logging
 import signal
@@ -49,6 +50,9 @@ SERVICE_OPTIONS = {
                                                   "the scheduler plans once per N steps, a request joins up to N later)"),
     "--scheduler-plan-ms": ("scheduler_plan_ms", float, "with --scheduler-steps N: a worker's plans run as many "
                                                         "steps (up to N) as fit in this many ms of its measured steps"),
+    "--speculative-config": ("speculative_config", str, "vLLM's speculative decoding JSON, e.g. '{\"method\": "
+                                                        "\"ngram\", \"num_speculative_tokens\": 4, "
+                                                        "\"prompt_lookup_max\": 4}' (default: none)"),
     "--scheduler-token-entries": ("worker_token_entries", "off", "the scheduler writes every token entry (default: "
                                                               "workers write those of tokens that end nothing)"),
     "--no-prefix-caching": ("prefix_caching", "off", "recompute every prompt (default: finished requests' KV blocks "
@@ -182,6 +186,8 @@ def config_file_values(path: str) -> dict[str, object]:
             value = not value
         if isinstance(value, list):
             value = ",".join(str(item) for item in value)
+        if isinstance(value, dict):  # (speculative-config as a YAML mapping, as vLLM's config files write it)
+            value = json.dumps(value)
         values[field] = str(value) if field in ("api_key", "api_keys") else value
     if "api_key" in values:  # api-key adds to the file's api-keys, as on the command line
         values["api_keys"] = ",".join(filter(None, [values.get("api_keys", ""), values.pop("api_key")]))

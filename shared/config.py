@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.model_file import DEFAULT_MODEL  # re-exported: the settings' default
+from shared.speculative import parse_speculative_config
 
 
 def executor_label(settings: "Settings") -> str:
@@ -96,6 +97,12 @@ class Settings(BaseModel):
     # A worker runs one step a plan until its first answer says how long its steps take. 0 (the
     # default): every plan of decodes runs scheduler_steps.
     scheduler_plan_ms: float = Field(0.0, ge=0, le=10_000)
+    # vLLM's --speculative-config JSON (shared/speculative.py): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b,
+    # "disable_by_batch_size": n}. The scheduler proposes up to k tokens per request from its prompt
+    # and output (prompt lookup) while a worker runs at most n requests, and the worker verifies them
+    # in one step: the same tokens as without it. Empty (the default): no speculation.
+    speculative_config: str = ""
     # Workers write the token entries of tokens that end nothing, of requests without stop strings or
     # logprobs under the iteration policy (docs/protocol.md); False: the scheduler writes them all.
     worker_token_entries: bool = True
@@ -208,6 +215,11 @@ class Settings(BaseModel):
             raise ValueError(f"scheduler_plan_ms {self.scheduler_plan_ms} needs scheduler_steps above 1 "
                              "(the most steps a plan may run)")
         cpu_list(self.scheduler_cpus)  # (a ValueError names what is wrong)
+        speculative = parse_speculative_config(self.speculative_config)  # (as does this)
+        if speculative is not None and self.policy != "iteration":
+            raise ValueError("speculative_config needs the iteration policy (a request-level batch runs to its end)")
+        if speculative is not None and self.executor == "emulated":
+            raise ValueError("speculative_config: the emulated executor runs no model, so it verifies no proposal")
         if self.scheduler_steps > 1 and self.answer_every > 1:
             raise ValueError(f"scheduler_steps {self.scheduler_steps} and answer_every {self.answer_every}: "
                              "choose one (each answers several steps with one write)")

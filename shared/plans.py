@@ -28,6 +28,11 @@ that reaches its max_tokens), and answers all the steps with one result: each it
 tokens one after another, with their count. So the scheduler plans, encodes, reads and applies
 once for N worker-iterations.
 
+Speculative decoding adds one column, only where an item proposes: each named item's count of
+proposed tokens (the last of its tokens, StepItem.draft_tokens; a plan with proposals runs one step).
+The answer gives such an item every token it kept, as the answer to several steps gives each
+step's: a count per item, its tokens one after another, and which were left unwritten by position.
+
 Prefix caching adds three fields, all empty when it is off: blocks to register (handles, block
 indexes, hashes), hashes of blocks to evict, and on a new request the hashes of the cached blocks
 it starts with (hashes are 16 bytes each, concatenated) and, for a request with penalties only,
@@ -43,9 +48,10 @@ import numpy as np
 
 from shared.keys import valid_request_id
 from shared.messages import NewRequest, SamplingParams, StepItem
+from shared.speculative import MAX_SPECULATIVE_TOKENS
 from shared.wire import WireError
 
-PLAN_FORMAT = 4
+PLAN_FORMAT = 5  # 5: proposed tokens (speculative decoding), which a format-4 worker would feed as a prompt
 MAX_HANDLE = 65535  # handles are uint16 on the wire
 MAX_INDEX = 2**31
 MAX_STEPS = 16  # steps one plan may run (Settings.scheduler_steps)
@@ -151,6 +157,9 @@ class ColumnPlan:
     # order, where some run fewer (empty: all run `steps`).
     steps: int = 1
     item_steps: Sequence[int] = ()
+    # Speculative decoding: each of the other items' proposed tokens, the last of its tokens (empty:
+    # none proposes; StepItem.draft_tokens). A plan with proposals runs one step.
+    drafts: Sequence[int] = ()
 
     @property
     def item_count(self) -> int:
@@ -162,10 +171,11 @@ class ColumnPlan:
         items = [StepItem(request_id, (), start, True, output_index, True) for request_id, start, output_index
                  in zip(self.item_ids[:decodes], self.decode_starts, self.decode_outputs, strict=True)]
         begin = 0
-        for request_id, start, count, sample, output_index in zip(
-                self.item_ids[decodes:], self.starts, self.counts, self.samples, self.outputs, strict=True):
+        drafts = self.drafts or [0] * len(self.handles)
+        for request_id, start, count, sample, output_index, draft in zip(
+                self.item_ids[decodes:], self.starts, self.counts, self.samples, self.outputs, drafts, strict=True):
             items.append(StepItem(request_id, tuple(self.tokens[begin : begin + count]), start, bool(sample),
-                                  output_index))
+                                  output_index, False, draft))
             begin += count
         return tuple(items)
 
@@ -197,6 +207,8 @@ def encode_plan(plan: ColumnPlan) -> bytes:
         message |= {"h": _array(plan.handles, _U16), "s": _array(plan.starts, _I32), "c": _array(plan.counts, _I32),
                     "m": _array(plan.samples, np.uint8), "o": _array(plan.outputs, _I32),
                     "t": _array(plan.tokens, _I32)}
+        if len(plan.drafts):
+            message["d"] = _array(plan.drafts, np.uint8)
     return msgpack.packb(message, use_bin_type=True)
 
 
@@ -210,7 +222,9 @@ class ResultColumns:
     (a handle's tokens one after another), `output_indexes` each handle's first; an item in error
     answered the steps before its error (its count: the step the error came in, 0 when it has
     no token). logprobs and unwritten_tokens name positions among token_ids. split_steps reads it
-    as one result per step."""
+    as one result per step. The answer to one step where an item kept proposed tokens (speculative
+    decoding) has counts and unwritten_tokens too, with steps 1: that item's tokens are consecutive
+    output indexes from its first."""
 
     scheduler_epoch: str
     plan_id: int
@@ -257,9 +271,13 @@ def read_result_columns(raw: dict) -> ResultColumns:
             raise WireError(f"{kind}: step times malformed for {steps} steps")
         steps_seconds = [float(value) for value in steps_seconds]
         unwritten_tokens = _int_list(raw, kind, "ep", _U16, 0, len(token_ids))
-    elif "c" in raw:
-        raise WireError(f"{kind}: token counts in the answer to one step")
-    if len(handles) != len(output_indexes) or steps == 1 and len(handles) != len(token_ids):
+    elif "c" in raw:  # the answer to one step where an item kept proposed tokens (speculative decoding)
+        counts = _int_list(raw, kind, "c", np.dtype(np.uint8), 1, MAX_SPECULATIVE_TOKENS + 2)
+        if len(counts) != len(handles) or sum(counts) != len(token_ids):
+            raise WireError(f"{kind}: {len(counts)} counts of {sum(counts)} tokens for {len(handles)} handles, "
+                            f"{len(token_ids)} tokens")
+        unwritten_tokens = _int_list(raw, kind, "ep", _U16, 0, len(token_ids))
+    if len(handles) != len(output_indexes) or steps == 1 and not counts and len(handles) != len(token_ids):
         raise WireError(f"{kind}: {len(handles)} handles, {len(token_ids)} tokens, {len(output_indexes)} indexes")
     errors = []
     for entry in _field(raw, kind, "x", list, []):
@@ -379,6 +397,7 @@ class WirePlan:
     steps: int
     item_steps: list[int]  # in wire order, where they differ (empty: all `steps`)
     answer_with_next: bool
+    drafts: list[int] = field(default_factory=list)  # each other item's proposed tokens (empty: none)
 
 
 def read_plan(data: bytes, worker_id: str) -> WirePlan:
@@ -427,6 +446,11 @@ def read_plan(data: bytes, worker_id: str) -> WirePlan:
         raise WireError(f"{kind}: a plan of {steps} steps with an item that samples no token")
     if item_steps and len(item_steps) != decode_handles.size + handles.size:
         raise WireError(f"{kind}: {len(item_steps)} item steps for {decode_handles.size + handles.size} items")
+    drafts = _ints(raw, kind, "d", np.dtype(np.uint8), 0, MAX_SPECULATIVE_TOKENS + 1)
+    if drafts.size and (drafts.size != handles.size or steps > 1 or (drafts >= counts).any()
+                        or (drafts.astype(bool) & ~samples.astype(bool)).any()):
+        raise WireError(f"{kind}: proposed tokens must be fewer than their item's tokens, on items that sample, "
+                        "one per item, in a plan of one step")
     return WirePlan(
         epoch=_field(raw, kind, "e", str), plan_id=_field(raw, kind, "p", int), worker_id=worker_id,
         free_all=_field(raw, kind, "a", bool), register_handles=register_handles.tolist(),
@@ -435,7 +459,8 @@ def read_plan(data: bytes, worker_id: str) -> WirePlan:
         evict_hashes=_hashes(raw.get("ev", b""), kind, "ev"), decode_handles=decode_handles.tolist(),
         decode_outputs=decode_outputs.tolist(), handles=handles.tolist(), starts=starts.tolist(),
         counts=counts.tolist(), samples=samples.tolist(), outputs=outputs.tolist(), tokens=tokens.tolist(),
-        steps=steps, item_steps=item_steps, answer_with_next=_field(raw, kind, "g", bool, False))
+        steps=steps, item_steps=item_steps, answer_with_next=_field(raw, kind, "g", bool, False),
+        drafts=drafts.tolist())
 
 
 def pack_result(epoch: str, plan_id: int, worker_id: str, handles: Sequence[int], first_indexes: Sequence[int],
@@ -454,13 +479,17 @@ def pack_result(epoch: str, plan_id: int, worker_id: str, handles: Sequence[int]
     counts = [len(item_tokens) for item_tokens in tokens]
     begins = np.cumsum([0, *counts]).tolist()  # each item's first token's position
     message["t"] = _array([token for item_tokens in tokens for token in item_tokens], _I32)
-    if len(seconds) > 1:
+    several = len(seconds) > 1
+    if several:
         message |= {"k": len(seconds), "ss": list(seconds), "c": _array(counts, np.uint8)}
+    elif any(count > 1 for count in counts):  # (one step where items kept proposals: speculative decoding)
+        message["c"] = _array(counts, np.uint8)
+        several = True
     if logprobs:
         message["l"] = [[begins[slot] + at, logprob, top] for slot, at, logprob, top in logprobs]
     if unwritten is not None:
         message["ew"] = True
-        if unwritten and len(seconds) == 1:
+        if unwritten and not several:
             message["eu"] = _array([handles[slot] for slot, _ in unwritten], _U16)
         elif unwritten:
             message["ep"] = _array([begins[slot] + at for slot, at in unwritten], _U16)

@@ -1,5 +1,6 @@
 """The deployment files users run: compose file valid, Dockerfile and README in step."""
 
+import json
 import os
 import re
 import shutil
@@ -202,16 +203,26 @@ def test_a_vllm_serve_command_line_and_a_config_file_give_the_same_settings(tmp_
     assert parsed_settings(["--config", str(config), "--max-num-seqs", "16"]).max_batch_size == 16
     assert parsed_settings(["--config", str(config)]).max_batch_tokens == 1024
     assert parsed_settings([]).max_batch_tokens == 64
-    config.write_text("max-num-seqs: 4\nspeculative-config: {}\n")
-    with pytest.raises(ValueError, match="unknown option 'speculative-config'"):
+    config.write_text("max-num-seqs: 4\nkv-transfer-config: {}\n")
+    with pytest.raises(ValueError, match="unknown option 'kv-transfer-config'"):
         parsed_settings(["--config", str(config)])
+    # vLLM's speculative-config, as a mapping in the file or JSON on the command line
+    config.write_text("speculative-config: {method: ngram, num_speculative_tokens: 3}\n")
+    assert json.loads(parsed_settings(["--config", str(config)]).speculative_config) == {
+        "method": "ngram", "num_speculative_tokens": 3}
+    assert parsed_settings(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'
+                            ]).speculative_config == '{"method": "ngram", "num_speculative_tokens": 2}'
     # A template given inline as vLLM takes it, longer than a file name may be (a real one is)
     from shared.tokenizer import read_chat_template
 
     inline = "{% for message in messages %}" + "<|turn|>" * 60 + "{{ message['content'] }}{% endfor %}"
     assert read_chat_template(inline) == inline
     # Through the real command: a bad file or value stops it with exit 2 and the reason
-    for argv, said in ((["worker", "--config", str(config)], "unknown option 'speculative-config'"),
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("kv-transfer-config: {}\n")
+    for argv, said in ((["worker", "--config", str(unknown)], "unknown option 'kv-transfer-config'"),
+                       (["worker", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+                        "unknown method 'eagle'"),
                        (["worker", "--max-num-seqs", "0"], "max_batch_size"),
                        (["worker", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the context length"),
                        (["worker", "--chat-template", "/no/such/template"], "not a file, nor a template"),

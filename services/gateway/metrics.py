@@ -203,7 +203,12 @@ class _LastingCounters:
 
     SERIES = (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                "prefix_cache_queried_tokens"),
-              ("vllm:prefix_cache_hits", "Of them, tokens found cached", "prefix_cache_hit_tokens"))
+              ("vllm:prefix_cache_hits", "Of them, tokens found cached", "prefix_cache_hit_tokens"),
+              ("vllm:spec_decode_num_drafts", "Speculative decoding: items that verified proposed tokens",
+               "spec_drafts"),
+              ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed", "spec_draft_tokens"),
+              ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens kept",
+               "spec_accepted_tokens"))
 
     def __init__(self, lasting: dict[str, dict[str, int]]) -> None:
         self.lasting = lasting

@@ -7,13 +7,16 @@ the batch has room (services/scheduler/placement.py). The plan is written as the
 the requests are chosen (shared/plans.py ColumnPlan): the decodes fed by the worker (a plan in flight
 samples their input) as a handle and an output index each, the other items with their tokens. With
 scheduler_steps > 1 a plan whose every item samples runs several steps (_plan_steps), as many as
-fit in plan_seconds of the worker's recent steps when that is set (_steps_for).
+fit in plan_seconds of the worker's recent steps when that is set (_steps_for). With speculative
+decoding, a decode whose last token is known may feed proposed tokens after it
+(services/scheduler/speculation.py); such a plan runs one step.
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.scheduler.request_state import PlanInFlight, RequestState, WorkerState
+from services.scheduler.speculation import Speculation
 from shared.messages import NewRequest
 from shared.plans import ColumnPlan
 
@@ -46,6 +49,7 @@ class Batch:
     samples: list[bool] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # each one's proposed tokens (speculative decoding)
 
     def drop(self, state: RequestState) -> None:
         """A request leaves the batch being built (preempted to make room): its tokens go back."""
@@ -53,23 +57,30 @@ class Batch:
         if chunk is not None:
             self.budget += chunk
         else:  # a decode written in already (older requests' prefill chunks make room after the decodes)
-            for states, columns in ((self.fed_states, (self.fed_handles, self.fed_outputs, self.fed_starts)),
-                                    (self.states, (self.handles, self.starts, self.counts, self.samples, self.outputs,
-                                                   self.tokens))):
-                for index, held in enumerate(states):
-                    if held is state:  # (a decode: one token, one count each, so its token is at its index)
-                        for column in (states, *columns):
-                            del column[index]
-                        self.budget += 1
-                        self.decode_tokens -= 1
-                        break
+            for index, held in enumerate(self.fed_states):
+                if held is state:
+                    for column in (self.fed_states, self.fed_handles, self.fed_outputs, self.fed_starts):
+                        del column[index]
+                    self.budget += 1
+                    self.decode_tokens -= 1
+                    break
+            for index, held in enumerate(self.states):
+                if held is state:  # (a decode: its last token, and any proposals after it)
+                    count, begin = self.counts[index], sum(self.counts[:index])
+                    del self.tokens[begin : begin + count]
+                    for column in (self.states, self.handles, self.starts, self.counts, self.samples, self.outputs,
+                                   self.drafts):
+                        del column[index]
+                    self.budget += count
+                    self.decode_tokens -= count
+                    break
         if state.request_id in self.joined:
             self.joined.remove(state.request_id)
         if state.request_id in self.admitted:
             self.admitted.remove(state.request_id)
 
 
-class BatchFormation:
+class BatchFormation(Speculation):
     """SchedulerPolicy's batch formation (a mixin: the state is the policy's, made in its __init__:
     its settings, _workers, _next_plan_id, _text_context, _clock)."""
 
@@ -88,6 +99,7 @@ class BatchFormation:
         fed_states, fed_handles, fed_outputs, fed_starts = (batch.fed_states, batch.fed_handles, batch.fed_outputs,
                                                             batch.fed_starts)
         budget = batch.budget  # (making room here changes no budget: the requests it preempts are younger)
+        speculating = self.speculative is not None and self._speculates_on(worker)
         for state in tuple(order):  # (a copy: making room for one may preempt the youngest)
             if state.row < 0:
                 continue  # preempted to make room for an older one
@@ -99,6 +111,11 @@ class BatchFormation:
                 continue
             if in_flight and outputs >= state.output_limit:
                 continue  # its last token is being sampled (max_tokens or the context reached)
+            # A verification in flight: how many tokens it makes is known only from its answer. A
+            # request backed off from proposing sits out a plan now and then, to propose at the next.
+            if in_flight and (state.drafts_in_flight or speculating and state.speculable
+                              and self._waits_to_propose(state)):
+                continue
             if budget <= 0:
                 break
             # (Within the blocks it holds, as most decode steps are, it needs no room: tested here
@@ -116,8 +133,16 @@ class BatchFormation:
                 fed_handles.append(state.row)
                 fed_outputs.append(outputs)
                 fed_starts.append(computed)
-            else:  # its input is its last token, named
-                self._add_item(batch, state, computed, 1, True, outputs, state.output_token_ids[-1:])
+            else:  # its input is its last token, named (and tokens it proposes after it)
+                proposal = self._proposal(worker, state, computed, outputs, budget) \
+                    if speculating and state.speculable else None
+                if proposal:
+                    budget -= len(proposal)
+                    state.drafts_in_flight = len(proposal)
+                    self._add_item(batch, state, computed, 1 + len(proposal), True, outputs,
+                                   [state.output_token_ids[-1], *proposal], len(proposal))
+                else:
+                    self._add_item(batch, state, computed, 1, True, outputs, state.output_token_ids[-1:])
         batch.decode_tokens += batch.budget - budget
         batch.budget = budget
         if others:
@@ -150,8 +175,9 @@ class BatchFormation:
 
     @staticmethod
     def _add_item(batch: Batch, state: RequestState, start: int, count: int, sample: bool, output_index: int,
-                  tokens: Iterable[int]) -> None:
-        """An item that names its tokens (not fed by the worker) into the plan being built."""
+                  tokens: Iterable[int], drafts: int = 0) -> None:
+        """An item that names its tokens (not fed by the worker) into the plan being built (the last
+        `drafts` of them proposed)."""
         batch.states.append(state)
         batch.handles.append(state.row)
         batch.starts.append(start)
@@ -159,6 +185,7 @@ class BatchFormation:
         batch.samples.append(sample)
         batch.outputs.append(output_index)
         batch.tokens.extend(tokens)
+        batch.drafts.append(drafts)
 
     def _make_room(self, batch: Batch, state: RequestState, tokens_after_step: int) -> bool:
         """Reserve KV blocks for a step (evicting idle cached ones if need be), preempting the
@@ -205,7 +232,7 @@ class BatchFormation:
         it runs one step (a prefill chunk short of its prompt's end, or too few KV blocks free for the
         steps: nothing is preempted for them)."""
         worker = batch.worker
-        if worker.stages > 1 or self.policy != "iteration" or not all(batch.samples):
+        if worker.stages > 1 or self.policy != "iteration" or not all(batch.samples) or any(batch.drafts):
             return None
         states = batch.fed_states + batch.states  # (each: its tokens counted in computed, its sample in flight)
         if not states:
@@ -294,6 +321,7 @@ class BatchFormation:
             handles=batch.handles, starts=batch.starts, counts=batch.counts, samples=batch.samples,
             outputs=batch.outputs, tokens=batch.tokens,
             item_ids=tuple([state.request_id for state in states]),
+            drafts=batch.drafts if self.speculative is not None and any(batch.drafts) else (),
         )
         most = max(steps) if steps else 1
         if most > 1:

@@ -45,6 +45,7 @@ from services.scheduler.result_application import ResultApplication, TokenOutcom
 from shared.finishing import finish_reason, length_limit
 from shared.messages import FinishReason, RequestRecord, SamplingParams
 from shared.plans import MAX_STEPS, ColumnPlan
+from shared.speculative import SpeculativeConfig
 
 __all__ = ["SchedulerPolicy", "TokenOutcome", "Policy", "Placement"]
 
@@ -81,6 +82,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         placement_threshold: float = 0.5,
         cache_salt: str = "",
         text_context: Callable[..., tuple[int, ...]] | None = None,
+        speculative: SpeculativeConfig | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """cache_salt: what else makes a block's KV (the model's name): part of every block hash.
@@ -136,6 +138,14 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         # into its next record (worker id -> (cancelled, preempted)).
         self._left_since_record: dict[str, tuple[list[str], list[str]]] = {}
         self._finished_without_token: list[RequestState] = []
+        if speculative is not None and policy != "iteration":
+            raise ValueError("speculative decoding needs the iteration policy")
+        self.speculative = speculative
+        # Speculative decoding's totals (vLLM's spec_decode counters): verification items, tokens
+        # proposed, proposals kept.
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # The pool of requests
 
@@ -150,6 +160,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
             return existing
         state = RequestState(record=record, arrival_seq=self._arrivals, output_token_ids=list(output_token_ids),
                              workers_write=self.workers_write_entries(record.sampling),
+                             speculable=self.speculative is not None and self.speculable(record.sampling),
                              output_limit=length_limit(record.sampling.max_tokens, len(record.prompt_token_ids),
                                                        self.context_length))
         self._arrivals += 1
@@ -223,7 +234,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         # Its first plan says free_all: back after being given up on (e.g. heartbeats lost in a Redis
         # outage) it may still hold KV of requests that moved on; it holds nothing of ours yet.
         worker = WorkerState(worker_id, kv_blocks_total, kv_block_size, cache_root=cache_root, free_all=True,
-                             stages=stages)
+                             stages=stages, speculates=stages == 1 and not kv_identity.startswith("emulated"))
         self._workers[worker_id] = worker
         log.info("worker_up worker_id=%s kv_blocks_total=%d kv_block_size=%d stages=%d kv_identity=%s",
                  worker_id, kv_blocks_total, kv_block_size, stages, kv_identity or "-")
@@ -355,6 +366,13 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         here) or logprobs (they travel in the result)."""
         return self._text_context is not None and not sampling.stop and sampling.logprobs < 0
 
+    @staticmethod
+    def speculable(sampling: SamplingParams) -> bool:
+        """Whether a request may speculate: not with penalties or a constraint (the worker's history of
+        its tokens would hold the proposals refused), logprobs (one token's a step travel back), or
+        stop strings (searched in the text between tokens, which a step of several would pass)."""
+        return not sampling.needs_history and sampling.logprobs < 0 and not sampling.stop
+
     # A request's lifecycle
 
     def _finish_reason_after_output(self, state: RequestState) -> FinishReason | None:
@@ -386,6 +404,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
             for flight in worker.in_flight:  # (their answers apply nothing of it)
                 flight.left.add(state)
         state.worker_id, state.computed, state.kv_blocks, state.in_flight_samples, state.row = None, 0, 0, 0, -1
+        state.drafts_in_flight = 0
         state.held_hashes, state.adopted_blocks = [], 0
 
     def _requeue(self, worker: WorkerState, state: RequestState) -> None:

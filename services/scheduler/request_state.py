@@ -40,6 +40,14 @@ class RequestState:
     workers_lost: int = 0  # workers that died while it ran on them; too many fail it
     workers_write: bool = False  # its workers write its token entries (SchedulerPolicy.workers_write_entries)
     output_limit: int = 0  # output tokens at which it ends by length (shared/finishing.py's length_limit)
+    # Speculative decoding (services/scheduler/speculation.py): the tokens its item in flight
+    # proposes (0: none; its KV then holds `computed` plus those kept), whether its sampling lets it
+    # speculate, and the back-off after proposals that found nothing or were all refused: plans to
+    # run pipelined before it proposes again, and how many misses in a row.
+    drafts_in_flight: int = 0
+    speculable: bool = False
+    speculation_wait: int = 0
+    speculation_misses: int = 0
 
     # Copied from the record once: read for every request at every step (the record never changes).
     request_id: str = field(init=False)
@@ -154,6 +162,9 @@ class WorkerState:
     # name them differently, so a request's chain for one is never matched against another.
     cache_root: bytes = b""
     draining: bool = False  # takes no new requests
+    # Verifies proposed tokens (speculative decoding): a worker of one stage that runs the model (not
+    # the emulated executor, nor pipeline stages, whose last stage's tokens travel back one a step).
+    speculates: bool = True
     free_all: bool = False  # its next plan tells it to drop all its KV first (set when it comes up)
     running: dict[str, RequestState] = field(default_factory=dict)  # in admission order
     rows: RunningRows = field(default_factory=RunningRows)  # their rows (handles) and FCFS order

@@ -121,6 +121,18 @@ class ResultApplication:
                 total += count
             answered_indexes = output_indexes
             unwritten = set(result.unwritten_tokens) if result.entries_written else None
+        elif result.counts:  # one step where items kept proposed tokens: found by handle, each with its count
+            position_of = {handle: position for position, handle in enumerate(handles)}
+            starts, total = [], 0
+            for count in result.counts:
+                starts.append(total)
+                total += count
+            positions = [position_of.get(handle) if sample else None
+                         for handle, sample in zip(flight.handles, samples or repeat(True))]
+            begins = [None if position is None else starts[position] for position in positions]
+            answered_indexes = [None if position is None else output_indexes[position] for position in positions]
+            counts = [0 if position is None else result.counts[position] for position in positions]
+            unwritten = set(result.unwritten_tokens) if result.entries_written else None
         else:
             if samples is None and handles == flight.handles:
                 begins, answered_indexes = range(len(handles)), output_indexes
@@ -145,8 +157,8 @@ class ResultApplication:
                 ends or repeat(0)):
             if left and state in left:
                 continue  # finished, cancelled, preempted or moved while the plan was in flight
-            if sample:
-                state.in_flight_samples -= count or 1
+            if sample:  # (one sample in flight a step, however many tokens a verification made)
+                state.in_flight_samples -= (count or 1) if steps > 1 else 1
             if errors is not None:
                 error = errors.get(state.row)
                 if error is not None:
@@ -163,6 +175,15 @@ class ResultApplication:
                 got = None if count == 0 else (token_ids[begin], answered_index)
                 self._on_item_error(worker, state, "bad_item",
                                     f"expected a token at output_index {output_index}, got (token, index) {got}")
+                continue
+            if state.drafts_in_flight:  # a verification: its last token and the proposals kept are in its KV
+                if count > state.drafts_in_flight + 1:
+                    self._on_item_error(worker, state, "bad_item", f"{count} tokens for {state.drafts_in_flight} "
+                                                                   "proposals")
+                    continue
+                self._verified(state, count - 1)
+            elif steps == 1 and count > 1:
+                self._on_item_error(worker, state, "bad_item", f"{count} tokens for an item of one")
                 continue
             # Its tokens, up to one that ends it (a stop token, or the output limit: most end nothing)
             reason, ends_at = None, None
@@ -190,7 +211,7 @@ class ResultApplication:
                 if kv_end // block_size > len(state.held_hashes):
                     self._register_blocks(worker, state, kv_end)
             if ends_at is not None:
-                self._latest_draft[worker.worker_id] = drafts[ends_at]  # (the record of the step it ended in)
+                self._latest_draft[worker.worker_id] = drafts[ends_at if steps > 1 else 0]  # (the step it ended in)
                 self._end(state, reason)
             elif unwritten is not None and state.workers_write and (
                     not unwritten or count == 1 and begin not in unwritten):

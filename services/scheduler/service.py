@@ -55,6 +55,7 @@ from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo
 from shared.model_file import load_metadata, serving_config
 from shared.plans import ResultColumns, encode_plan, read_result, read_result_columns
+from shared.speculative import parse_speculative_config
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.startup_heap import freeze_startup_heap
 from shared.tokenizer import Tokenizer
@@ -62,7 +63,10 @@ from shared.wire import WireError, encode, encode_row
 
 log = logging.getLogger("iterserve.scheduler")
 
-COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens")  # kept in Redis across restarts
+# Kept in Redis across restarts: the prefix cache's, and speculative decoding's (verification items,
+# tokens proposed, proposals kept).
+COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "spec_drafts", "spec_draft_tokens",
+            "spec_accepted_tokens")
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
 PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
@@ -109,6 +113,7 @@ class SchedulerService:
             placement_threshold=settings.placement_threshold,
             cache_salt=settings.model_group or settings.model,
             text_context=self.tokenizer.text_context if settings.worker_token_entries else None,
+            speculative=parse_speculative_config(settings.speculative_config),
         )
         self.link = RedisLink(self.redis, on_write_failed=self._write_failed,
                               model_keys=keys.ModelKeys(settings.model_group))

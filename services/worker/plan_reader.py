@@ -87,7 +87,7 @@ class PlanReader:
                 item_steps.append(wire_steps[position])
             items.append(from_fields(StepItem, (request_id, (), kv_length(request_id), True, output_index, True, 0)))
             item_handles.append(handle)
-        token_list, decodes = wire.tokens, len(wire.decode_handles)
+        token_list, decodes, drafts = wire.tokens, len(wire.decode_handles), wire.drafts
         for index, (handle, start, end, count, sample, output_index) in enumerate(zip(
                 wire.handles, wire.starts, accumulate(wire.counts), wire.counts, wire.samples, wire.outputs)):
             request_id = request_of.get(handle)
@@ -97,7 +97,8 @@ class PlanReader:
             if wire_steps:
                 item_steps.append(wire_steps[decodes + index])
             items.append(StepItem(request_id=request_id, token_ids=tuple(token_list[end - count : end]),
-                                  start_position=start, sample=bool(sample), output_index=output_index))
+                                  start_position=start, sample=bool(sample), output_index=output_index,
+                                  draft_tokens=drafts[index] if drafts else 0))
             item_handles.append(handle)
         self.last_plan_id = wire.plan_id + wire.steps - 1  # (the later steps' results answer the ids after it)
         plan = BatchPlan(scheduler_epoch=wire.epoch, plan_id=wire.plan_id, worker_id=worker_id,
@@ -157,11 +158,13 @@ class StepAnswers:
         self.seconds: list[float] = []
 
     def add(self, decoded: DecodedPlan, tokens: dict[str, int], logprobs: dict[str, tuple[float, tuple]],
-            errors: list[tuple[str, str, str]], step_seconds: float, unwritten: Iterable[str] | None = None) -> None:
+            errors: list[tuple[str, str, str]], step_seconds: float, unwritten: Iterable[str] | None = None,
+            speculated: dict[str, list[int]] | None = None) -> None:
         """A step's outcome: tokens: request id -> token sampled; logprobs: request id -> (logprob,
         top); errors: (request id, code, message) of the items that did not run; unwritten: None when
         this worker wrote no token entry, else the requests whose token entries it was to write and
-        did not."""
+        did not (a dict: from which of the request's tokens this step on, for a speculating one);
+        speculated: request id -> every token a speculating item kept (its first is in tokens)."""
         first = self._first is None
         if first:
             self._first = decoded
@@ -179,6 +182,14 @@ class StepAnswers:
                 self.first_indexes.append(output_index)
                 self.tokens.append([])
                 is_open.append(True)
+            kept = speculated.get(request_id) if speculated else None
+            if kept is not None:  # (one step, whose item kept proposals: every token, the first unwritten on)
+                first_unwritten = len(kept)
+                if unwritten and request_id in unwritten:
+                    first_unwritten = unwritten[request_id] if isinstance(unwritten, dict) else 0
+                self.unwritten += [(slot, at) for at in range(first_unwritten, len(kept))]
+                self.tokens[slot] += kept
+                continue
             if unwritten and request_id in unwritten:
                 self.unwritten.append((slot, len(self.tokens[slot])))
             if logprobs and request_id in logprobs:

@@ -185,7 +185,7 @@ class Worker:
     def _gather(self, answers: StepAnswers, decoded: DecodedPlan, outcome: StepOutcome) -> list[Write]:
         """A step's outcome into its plan's answer; the token entries to write with it (called once
         for every step run, in order: the token writer follows the plans' new and freed requests)."""
-        writes, unwritten = self.token_writer.after_step(decoded.plan, outcome.tokens)
+        writes, unwritten = self.token_writer.after_step(decoded.plan, outcome.tokens, outcome.speculated)
         if outcome.prompt_logprobs:
             self.token_writer.note_prompt_logprobs({
                 request_id: PromptLogprobsChunk(first_position=chunk.first_position, entries=tuple(
@@ -196,7 +196,7 @@ class Worker:
                     for request_id, value in outcome.logprobs.items()}
         answers.add(decoded, outcome.tokens, logprobs,
                     [(error.request_id, error.code, error.message) for error in outcome.errors], outcome.seconds,
-                    unwritten)
+                    unwritten, outcome.speculated)
         return writes
 
     def _packed(self, answers: StepAnswers) -> bytes:

@@ -20,6 +20,8 @@ never read, and is overwritten by the next step.
 
 import numpy as np
 
+from shared.speculative import propose_ngram  # noqa: F401 (the proposer, with the scheduler that runs it)
+
 
 def ragged_arange(counts: np.ndarray) -> np.ndarray:
     """0 .. count - 1 for each count, concatenated."""
@@ -38,23 +40,3 @@ def accepted(sampled: np.ndarray, proposed: list[tuple[int, ...]], per_item: np.
             kept[index] = differs[0] if differs.size else count - 1
         begin += count
     return kept
-
-
-def propose_ngram(tokens: list[int] | tuple[int, ...], count: int, min_n: int = 1, max_n: int = 4) -> list[int]:
-    """Prompt lookup (vLLM's `ngram` method): the `count` tokens that followed the latest earlier
-    occurrence of the sequence's last n tokens, for the longest n in max_n .. min_n that occurs
-    before; [] when none does."""
-    length = len(tokens)
-    array = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        if n <= 0:
-            break
-        tail = array[length - n :]
-        # windows ending before the tail's own start, latest first
-        windows = np.lib.stride_tricks.sliding_window_view(array[: length - 1], n)
-        matches = np.flatnonzero((windows == tail).all(axis=1))
-        matches = matches[matches + n < length]  # something follows the match
-        if matches.size:
-            start = int(matches[-1]) + n
-            return array[start : start + count].tolist()
-    return []

@@ -144,9 +144,12 @@ class TokenWriter:
     def has_fields(self) -> bool:
         return bool(self._fields)
 
-    def after_step(self, plan: BatchPlan, tokens: dict[str, int]) -> tuple[list[Write], set[str] | None]:
+    def after_step(self, plan: BatchPlan, tokens: dict[str, int], speculated: dict[str, list[int]] | None = None,
+                   ) -> tuple[list[Write], dict[str, int] | None]:
         """A plan run (or refused): its changes, then which of its tokens this worker writes, and
-        the requests whose token it was to write and does not (None: it writes for none)."""
+        the requests whose tokens it was to write and does not, each with the first of its step's
+        tokens it leaves (0 but for a speculating item, whose kept tokens are `speculated`'s; None:
+        it writes for none)."""
         if plan.scheduler_epoch != self._epoch or plan.free_all:
             self._epoch = plan.scheduler_epoch
             self._rows.clear()
@@ -161,27 +164,29 @@ class TokenWriter:
         if not rows:
             return [], None
         writes: list[Write] = []
-        unwritten: set[str] = set()
+        unwritten: dict[str, int] = {}
         stop_token_ids = self.stop_token_ids
         for item in plan.items:
             row = rows.get(item.request_id)
             if row is None or not item.sample or (token_id := tokens.get(item.request_id)) is None:
                 continue
-            index = item.output_index
-            if row.ended or index != row.next_index:
-                # Sampled here before (its entry was written, or the scheduler's to write: it writes
-                # it again, Redis skips it), or out of step with this worker's text: the scheduler's.
-                unwritten.add(item.request_id)
-                row.ended = row.ended or index > row.next_index
-                continue
-            row.next_index = index + 1
-            # (finish_reason's tests first, inline: most tokens end nothing)
-            if (token_id in stop_token_ids or index + 1 >= row.entries_below) and finish_reason(
-                    token_id, index + 1, row.entries_below, stop_token_ids, row.ignore_eos) is not None:
-                row.ended = True  # its entry is the scheduler's; tokens sampled past it are nobody's
-                unwritten.add(item.request_id)
-                continue
-            writes.append((row, index, token_id))
+            step_tokens = speculated.get(item.request_id) if speculated and item.draft_tokens else None
+            for at, token_id in enumerate(step_tokens or (token_id,)):
+                index = item.output_index + at
+                if row.ended or index != row.next_index:
+                    # Sampled here before (its entry was written, or the scheduler's to write: it writes
+                    # it again, Redis skips it), or out of step with this worker's text: the scheduler's.
+                    unwritten[item.request_id] = at
+                    row.ended = row.ended or index > row.next_index
+                    break
+                row.next_index = index + 1
+                # (finish_reason's tests first, inline: most tokens end nothing)
+                if (token_id in stop_token_ids or index + 1 >= row.entries_below) and finish_reason(
+                        token_id, index + 1, row.entries_below, stop_token_ids, row.ignore_eos) is not None:
+                    row.ended = True  # its entry is the scheduler's; tokens sampled past it are nobody's
+                    unwritten[item.request_id] = at
+                    break
+                writes.append((row, index, token_id))
         return writes, unwritten
 
     def entries(self, writes: list[Write]) -> bytes:

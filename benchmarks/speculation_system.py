@@ -1,0 +1,181 @@
+"""Speculative decoding through the whole system (issue: speculative decoding, planned by the scheduler).
+
+iterserve with `--speculative-config` (n-gram prompt lookup) beside the same server without it, and
+llama.cpp's llama-server with and without its own n-gram speculation where its build has it, on
+the same prompts and load, the servers taking turns at each workload (this machine's speed drifts):
+
+- `quotes`: each prompt shows two passages copied line for line and asks for a third copy (the kind
+  of output a summary, rewrite or code edit makes: long runs of the prompt's tokens);
+- `fresh`: ../shared/peers/load.py's stories (nothing to quote: proposals fail or are not made).
+
+Closed loop, 64 output tokens forced with ignore_eos, greedy, streaming (load.py's client), each
+request's prompt made unique so that no prompt cache helps. Output tok/s per server and concurrency,
+and the speculating server's over the plain one's. Every greedy output of the speculating iterserve
+is checked equal to the plain one's, prompt by prompt.
+
+    .venv/bin/python benchmarks/speculation_system.py --dtypes bfloat16 --levels 1,4,64
+    .venv/bin/python benchmarks/speculation_system.py --llama-server PATH   # with llama-server
+
+Writes benchmarks/results/speculation_system[_NAME].{md,json}.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.vs_llama_server import LlamaServer  # noqa: E402
+from services.bench.server import ServerProcess  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = REPO.parent / "shared" / "peers"
+RESULTS = REPO / "benchmarks" / "results"
+CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+PASSAGES = [
+    "The harbor town woke slowly on winter mornings. Before the sun cleared the hills, the fishing boats were "
+    "already back at the pier, their decks crowded with crates of silver mackerel.",
+    "Every spring the river rose over the lower fields, and the farmers moved their sheep to the chalk downs, "
+    "where the grass was thin but the ground stayed dry until the water went down again.",
+    "The library kept three shelves of atlases: two of old maps, drawn by hand on linen, and one of travel "
+    "diaries that the librarian read aloud to whoever came in from the cold.",
+    "At the top of the pass the road narrowed to a single lane, cut into the rock above a drop of several "
+    "hundred metres, and the drivers sounded their horns before every bend.",
+]
+
+
+def quoting_prompt(index: int) -> str:
+    """Two passages shown and copied, then a third shown: its copy is the output (unique per index)."""
+    shown = [PASSAGES[(index + offset) % len(PASSAGES)] for offset in range(3)]
+    examples = "".join(f"Original: {text}\nCopy: {text}\n\n" for text in shown[:2])
+    return f"Exercise {index}. Copy each original exactly.\n\n{examples}Original: {shown[2]}\nCopy:"
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("peers_load", PEERS / "load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_level(load, url: str, model: str, workload: str, concurrency: int, seed_offset: int, mult: int) -> dict:
+    stories = load.__dict__.setdefault("story_prompt", load.make_prompt)
+    load.make_prompt = quoting_prompt if workload == "quotes" else stories
+    args = SimpleNamespace(url=url, model=model, max_tokens=64, temperature=0.0, top_p=None, force="ignore_eos",
+                           timeout=600.0, level_timeout=1800.0, seed_offset=seed_offset, mult=mult)
+    return asyncio.run(load.run_level(args, concurrency))
+
+
+def texts(load, url: str, model: str, workload: str, count: int, seed_offset: int) -> list[str]:
+    """Greedy outputs of `count` prompts, one at a time (for the equality check)."""
+    import httpx
+
+    stories = load.__dict__.setdefault("story_prompt", load.make_prompt)
+    load.make_prompt = quoting_prompt if workload == "quotes" else stories
+    args = SimpleNamespace(url=url, model=model, max_tokens=64, temperature=0.0, top_p=None, force="ignore_eos")
+
+    async def collect() -> list[str]:
+        async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+            return [(await load.one_request(client, args, seed_offset + index))["text"] for index in range(count)]
+
+    return asyncio.run(collect())
+
+
+def llama_server_has_ngram(binary: Path) -> bool:
+    finished = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
+    return "--spec-type" in finished.stdout + finished.stderr
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="bfloat16", help="iterserve's --dtype, a pair of servers each")
+    parser.add_argument("--levels", default="1,4,64")
+    parser.add_argument("--workloads", default="quotes,fresh")
+    parser.add_argument("--mult", type=int, default=2, help="requests per level = mult x concurrency")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--config", default=json.dumps(CONFIG), help="iterserve's --speculative-config")
+    parser.add_argument("--llama-server", type=Path, default=None, help="also llama-server, with and without "
+                                                                        "--spec-type ngram where it has it")
+    parser.add_argument("--name", default="", help="suffix of the results' file names")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    levels = [int(level) for level in args.levels.split(",")]
+    workloads = args.workloads.split(",")
+    load = load_module()
+    started = time.time()
+    results: dict[str, dict[str, list[dict]]] = {}  # workload -> server -> a row per level
+    checks: dict[str, bool] = {}
+    with contextlib.ExitStack() as stack:
+        servers = []  # (name, url, model, the server it is compared with)
+        for dtype in args.dtypes.split(","):
+            plain = stack.enter_context(ServerProcess(workers=1, threads=args.threads, extra_args=("--dtype", dtype)))
+            speculating = stack.enter_context(ServerProcess(workers=1, threads=args.threads, extra_args=(
+                "--dtype", dtype, "--speculative-config", args.config)))
+            servers += [(f"iterserve-{dtype}", plain.url, "smollm2-135m-instruct", None),
+                        (f"iterserve-{dtype}+ngram", speculating.url, "smollm2-135m-instruct", f"iterserve-{dtype}")]
+        if args.llama_server is not None:
+            llama = stack.enter_context(LlamaServer(args.llama_server, args.threads, 64))
+            servers.append(("llama-server", llama.url, "smollm2", None))
+            if llama_server_has_ngram(args.llama_server):
+                speculating_llama = LlamaServer(args.llama_server, args.threads, 64)
+                speculating_llama.command += ["--spec-type", "ngram", "--draft-max", "4"]
+                stack.enter_context(speculating_llama)
+                servers.append(("llama-server+ngram", speculating_llama.url, "smollm2", "llama-server"))
+        for workload in workloads:  # greedy outputs, speculating against plain, before any timing
+            for name, url, model, baseline in servers:
+                if baseline and name.startswith("iterserve"):
+                    base_url = next(server[1] for server in servers if server[0] == baseline)
+                    checks[f"{name} {workload}"] = (texts(load, url, model, workload, 4, 50_000)
+                                                    == texts(load, base_url, model, workload, 4, 50_000))
+        offset = 0
+        for workload in workloads:
+            for level in levels:
+                for name, url, model, _ in servers:  # the servers take turns; fresh prompts every run
+                    offset += 1000
+                    print(f"{workload} c={level} {name} ...", flush=True)
+                    row = run_level(load, url, model, workload, level, 100_000 + offset, args.mult)
+                    results.setdefault(workload, {}).setdefault(name, []).append(row)
+                    print(f"  {row['tok_s']:.1f} tok/s, TPOT {row['tpot_mean_s'] * 1000:.1f} ms", flush=True)
+    shown = " / ".join(map(str, levels))
+    lines = ["# Speculative decoding through the whole system (executor: engine, SmolLM2-135M)", "",
+             f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} "
+             f"threads per server, load average at the end {os.getloadavg()[0]:.2f}; "
+             f"`.venv/bin/python benchmarks/speculation_system.py {' '.join(sys.argv[1:])}` "
+             f"({time.time() - started:.0f} s).",
+             f"iterserve: `iterserve up --dtype D` (1 worker), and with `--speculative-config '{args.config}'`. "
+             "Closed loop, 64 output tokens (ignore_eos), greedy, streamed; mult "
+             f"{args.mult} requests per unit of concurrency.", "",
+             f"| workload | server | output tok/s at concurrency {shown} | TPOT at 1 (ms) |", "|---|---|---|---|"]
+    for workload, by_server in results.items():
+        for name, rows in by_server.items():
+            lines.append(f"| {workload} | {name} | " + " / ".join(f"{row['tok_s']:.1f}" for row in rows)
+                         + f" | {rows[0]['tpot_mean_s'] * 1000:.1f} |")
+    lines += ["", f"| workload | speculating / plain | at concurrency {shown} | same greedy outputs |", "|---|---|---|---|"]
+    for workload, by_server in results.items():
+        for name, url, model, baseline in servers:
+            if baseline:
+                ratio = " / ".join(f"{ours['tok_s'] / theirs['tok_s']:.2f}x"
+                                   for ours, theirs in zip(by_server[name], by_server[baseline]))
+                same = checks.get(f"{name} {workload}")
+                lines.append(f"| {workload} | {name} / {baseline} | {ratio} | "
+                             f"{'yes' if same else 'not checked' if same is None else 'NO'} |")
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "speculation_system" + (f"_{args.name}" if args.name else "")
+    (args.out / f"{stem}.md").write_text(text + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"executor": "engine", "checks": checks, **results}, indent=2)
+                                           + "\n")
+
+
+if __name__ == "__main__":
+    main()

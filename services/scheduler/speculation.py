@@ -1,0 +1,83 @@
+"""Speculative decoding, as the scheduler plans it (--speculative-config, shared/speculative.py).
+
+A decoding request whose last token is known here (none of its tokens in flight) and whose worker
+runs at most the config's disable_by_batch_size requests proposes up to num_speculative_tokens
+tokens by prompt lookup over its prompt and output (propose_ngram). Its item then feeds its last
+token and the proposals (StepItem.draft_tokens); the worker samples every position and keeps the
+proposals while each equals the token sampled before it (services/worker/speculation.py), so the
+tokens are those of decoding one a step. KV blocks are reserved for all the item's tokens, and kept
+after (the worker keeps them too: the refused proposals' slots are overwritten by the next steps,
+and a block is registered in the prefix cache only once it holds known tokens).
+
+With the plan pipeline: a speculating item's result says how many tokens came back, so the
+request's next item cannot be planned before it (it waits out the plan in flight: a round trip
+between its steps, which pipelining hides for the others). A request whose lookup finds nothing,
+or whose proposals were all refused, backs off: it runs pipelined, one token a plan, for 2, 4 ...
+up to MAX_WAIT plans, then waits one plan out to propose again. So a workload with nothing to quote
+pays a round trip every MAX_WAIT steps, and one that quotes pays it on steps that make several tokens.
+"""
+
+from services.scheduler.request_state import RequestState, WorkerState
+from shared.speculative import propose_ngram
+
+MAX_WAIT = 16  # plans a request that found nothing to propose runs pipelined before it looks again
+
+
+class Speculation:
+    """SchedulerPolicy's speculation (a mixin: its state is the policy's: speculative, the spec_* totals)."""
+
+    def _speculates_on(self, worker: WorkerState) -> bool:
+        """Whether requests on this worker propose this plan (its batch small enough)."""
+        config = self.speculative
+        return config is not None and worker.speculates and len(worker.running) <= config.batch_limit
+
+    def _proposal(self, worker: WorkerState, state: RequestState, computed: int, outputs: int,
+                  budget: int) -> list[int]:
+        """The tokens a decoding request whose last token is known proposes ([]: none, and it backs
+        off), its KV holding `computed` tokens before its step: at most as many as its output limit
+        leaves after the token the step samples anyway and the step's token budget left (`budget`),
+        and only where the KV blocks for them are free (nothing is preempted for a proposal): those
+        blocks are reserved."""
+        config = self.speculative
+        most = min(config.num_speculative_tokens, state.output_limit - outputs - 1, budget)
+        if most <= 0:
+            return []
+        proposal = propose_ngram(state.prompt_token_ids + tuple(state.output_token_ids), most,
+                                 config.prompt_lookup_min, config.lookup_max)
+        if not proposal:
+            self._back_off(state)
+            return []
+        needed = worker.blocks_for(computed + 1 + len(proposal)) - state.kv_blocks
+        if needed > 0:
+            if needed > worker.kv_blocks_available:
+                return []
+            worker.take_blocks(needed)
+            state.kv_blocks += needed
+        return proposal
+
+    def _waits_to_propose(self, state: RequestState) -> bool:
+        """A pipelined request (its last token in flight) that has backed off long enough: it sits
+        out this plan, so that its next one knows its last token and can propose. Counts its wait down."""
+        if state.speculation_wait > 0:
+            state.speculation_wait -= 1
+            return False
+        return True
+
+    @staticmethod
+    def _back_off(state: RequestState) -> None:
+        state.speculation_misses += 1
+        state.speculation_wait = min(2**state.speculation_misses, MAX_WAIT)
+
+    def _verified(self, state: RequestState, kept: int) -> None:
+        """A speculating item's answer: `kept` of its proposals were kept (its KV holds its last
+        token and those); a request whose proposals were all refused backs off."""
+        proposed = state.drafts_in_flight
+        state.drafts_in_flight = 0
+        state.computed += kept
+        self.spec_drafts += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += kept
+        if kept:
+            state.speculation_misses = 0
+        else:
+            self._back_off(state)
