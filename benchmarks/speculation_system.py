@@ -14,7 +14,8 @@ and the speculating server's over the plain one's. Every greedy output of the sp
 is checked equal to the plain one's, prompt by prompt.
 
     .venv/bin/python benchmarks/speculation_system.py --dtypes bfloat16 --levels 1,4,64
-    .venv/bin/python benchmarks/speculation_system.py --llama-server PATH   # with llama-server
+    .venv/bin/python benchmarks/speculation_system.py --llama-server PATH   # with llama-server, and its
+        # `--spec-type ngram-simple` (its defaults) where its build has it
 
 Writes benchmarks/results/speculation_system[_NAME].{md,json}.
 """
@@ -92,7 +93,7 @@ def texts(load, url: str, model: str, workload: str, count: int, seed_offset: in
 
 def llama_server_has_ngram(binary: Path) -> bool:
     finished = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
-    return "--spec-type" in finished.stdout + finished.stderr
+    return "ngram-simple" in finished.stdout + finished.stderr
 
 
 def main() -> None:
@@ -100,7 +101,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16", help="iterserve's --dtype, a pair of servers each")
     parser.add_argument("--levels", default="1,4,64")
     parser.add_argument("--workloads", default="quotes,fresh")
-    parser.add_argument("--mult", type=int, default=2, help="requests per level = mult x concurrency")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level: at least this many, and "
+                                                                 "at least the concurrency")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--config", default=json.dumps(CONFIG), help="iterserve's --speculative-config")
     parser.add_argument("--llama-server", type=Path, default=None, help="also llama-server, with and without "
@@ -113,7 +115,7 @@ def main() -> None:
     load = load_module()
     started = time.time()
     results: dict[str, dict[str, list[dict]]] = {}  # workload -> server -> a row per level
-    checks: dict[str, bool] = {}
+    checks: dict[str, list[int]] = {}  # "server workload" -> [outputs equal to the plain server's, outputs]
     with contextlib.ExitStack() as stack:
         servers = []  # (name, url, model, the server it is compared with)
         for dtype in args.dtypes.split(","):
@@ -127,22 +129,26 @@ def main() -> None:
             servers.append(("llama-server", llama.url, "smollm2", None))
             if llama_server_has_ngram(args.llama_server):
                 speculating_llama = LlamaServer(args.llama_server, args.threads, 64)
-                speculating_llama.command += ["--spec-type", "ngram", "--draft-max", "4"]
+                speculating_llama.command += ["--spec-type", "ngram-simple"]  # (its defaults: 12-token lookup, 48 drafted)
                 stack.enter_context(speculating_llama)
                 servers.append(("llama-server+ngram", speculating_llama.url, "smollm2", "llama-server"))
         for workload in workloads:  # greedy outputs, speculating against plain, before any timing
             for name, url, model, baseline in servers:
                 if baseline and name.startswith("iterserve"):
                     base_url = next(server[1] for server in servers if server[0] == baseline)
-                    checks[f"{name} {workload}"] = (texts(load, url, model, workload, 4, 50_000)
-                                                    == texts(load, base_url, model, workload, 4, 50_000))
+                    ours, theirs = (texts(load, url, model, workload, 4, 50_000),
+                                    texts(load, base_url, model, workload, 4, 50_000))
+                    checks[f"{name} {workload}"] = [sum(a == b for a, b in zip(ours, theirs)), len(ours)]
         offset = 0
         for workload in workloads:
-            for level in levels:
-                for name, url, model, _ in servers:  # the servers take turns; fresh prompts every run
+            for repeat, level in enumerate(levels):
+                # The servers take turns, in the other order at every other level (a level given twice
+                # measures both orders); fresh prompts every run
+                for name, url, model, _ in (servers if repeat % 2 == 0 else servers[::-1]):
                     offset += 1000
                     print(f"{workload} c={level} {name} ...", flush=True)
-                    row = run_level(load, url, model, workload, level, 100_000 + offset, args.mult)
+                    row = run_level(load, url, model, workload, level, 100_000 + offset,
+                                    max(1, -(-args.requests // level)))
                     results.setdefault(workload, {}).setdefault(name, []).append(row)
                     print(f"  {row['tok_s']:.1f} tok/s, TPOT {row['tpot_mean_s'] * 1000:.1f} ms", flush=True)
     shown = " / ".join(map(str, levels))
@@ -152,14 +158,15 @@ def main() -> None:
              f"`.venv/bin/python benchmarks/speculation_system.py {' '.join(sys.argv[1:])}` "
              f"({time.time() - started:.0f} s).",
              f"iterserve: `iterserve up --dtype D` (1 worker), and with `--speculative-config '{args.config}'`. "
-             "Closed loop, 64 output tokens (ignore_eos), greedy, streamed; mult "
-             f"{args.mult} requests per unit of concurrency.", "",
+             "Closed loop, 64 output tokens (ignore_eos), greedy, streamed; at each concurrency C, "
+             f"max(C, {args.requests}) requests (rounded up to a multiple of C).", "",
              f"| workload | server | output tok/s at concurrency {shown} | TPOT at 1 (ms) |", "|---|---|---|---|"]
     for workload, by_server in results.items():
         for name, rows in by_server.items():
             lines.append(f"| {workload} | {name} | " + " / ".join(f"{row['tok_s']:.1f}" for row in rows)
                          + f" | {rows[0]['tpot_mean_s'] * 1000:.1f} |")
-    lines += ["", f"| workload | speculating / plain | at concurrency {shown} | same greedy outputs |", "|---|---|---|---|"]
+    lines += ["", f"| workload | speculating / plain | at concurrency {shown} | greedy outputs equal to the plain "
+                  "server's, one request at a time |", "|---|---|---|---|"]
     for workload, by_server in results.items():
         for name, url, model, baseline in servers:
             if baseline:
@@ -167,7 +174,7 @@ def main() -> None:
                                    for ours, theirs in zip(by_server[name], by_server[baseline]))
                 same = checks.get(f"{name} {workload}")
                 lines.append(f"| {workload} | {name} / {baseline} | {ratio} | "
-                             f"{'yes' if same else 'not checked' if same is None else 'NO'} |")
+                             f"{'not checked' if same is None else f'{same[0]} of {same[1]}'} |")
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -414,6 +414,12 @@ def test_a_failing_scenario_leaves_no_process_behind():
 
 EXECUTORS = {
     "engine": {},
+    # Speculative decoding (services/scheduler/speculation.py) in every batch: n-gram proposals from
+    # one-token matches, most refused, some kept, so faults and cancels land on verification steps,
+    # KV reserved for proposals, rolled-back rows and requests sitting out the pipeline.
+    "engine-speculating": {"speculative_config": json.dumps({
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "disable_by_batch_size": 64})},
     "emulated": {"executor": "emulated", "hardware": "h100-qwen2.5-32b"},
     # Plans of decodes run 4 steps each (Settings.scheduler_steps): a fault or a cancel lands in the
     # middle of a plan's steps, whose later tokens are dropped, and the same checks hold.

@@ -324,3 +324,38 @@ def test_the_answer_to_a_plan_of_steps_reads_as_each_step_answered_alone():
         ("cmpl-d", "kv_cache_full"), ("cmpl-b", "bad_item")]
     assert (results[0].unwritten, results[2].unwritten) == ({"cmpl-c"}, {"cmpl-a"})
     assert results[0].tokens[0].top_logprobs == ((100, -0.5), (7, -2.0)) and results[1].tokens[1].logprob == -1.5
+
+
+def test_proposed_tokens_travel_with_their_items_and_the_answer_carries_every_token_kept():
+    """Speculative decoding on the wire: a plan's `d` column names each item's proposals (the worker
+    reads them as StepItem.draft_tokens); a bad one is refused whole; the answer to one step gives a
+    speculating item all its kept tokens, with the entries it left unwritten by position."""
+    from shared.plans import ColumnPlan, encode_plan, pack_result, read_plan, read_result_columns
+    from shared.wire import WireError
+    import pytest
+
+    sampling = SamplingParams(max_tokens=50)
+    plan = ColumnPlan(scheduler_epoch="e", plan_id=7, worker_id="w",
+                      new_requests=(NewRequest(request_id="cmpl-a", sampling=sampling),
+                                    NewRequest(request_id="cmpl-b", sampling=sampling)),
+                      new_handles=(0, 1), handles=[0, 1], starts=[20, 31], counts=[4, 1], samples=[True, True],
+                      outputs=[3, 9], tokens=[11, 12, 13, 14, 21], item_ids=("cmpl-a", "cmpl-b"), drafts=[3, 0])
+    reader = PlanReader()
+    decoded = reader.decode(encode_plan(plan), lambda request_id: 0, "w")
+    assert [(item.token_ids, item.draft_tokens) for item in decoded.plan.items] == [((11, 12, 13, 14), 3), ((21,), 0)]
+    assert decoded.plan.items == plan.items
+    for drafts in ([4, 0], [3], [1, 1]):  # as many as the item's tokens; one count short; on an item of one token
+        raw = msgpack.unpackb(encode_plan(plan))
+        raw["d"] = bytes(drafts)
+        with pytest.raises(WireError, match="proposed tokens"):
+            read_plan(msgpack.packb(raw), "w")
+    # The answer: item a kept 2 of its 3 proposals (3 tokens), b its one token; a's last entry unwritten
+    answer = pack_result("e", 7, "w", [0, 1], [3, 9], [[5, 6, 7], [8]], [], [0.01], [], [(0, 2)], 10, 5)
+    _, raw = read_result(answer)
+    result = read_result_columns(raw)
+    assert (result.counts, result.token_ids, result.output_indexes, result.unwritten_tokens, result.steps) == (
+        [3, 1], [5, 6, 7, 8], [3, 9], [2], 1)
+    # Answers of one token each say no counts, as before
+    _, raw = read_result(pack_result("e", 7, "w", [0, 1], [3, 9], [[5], [8]], [], [0.01], [], [(1, 0)], 10, 5))
+    result = read_result_columns(raw)
+    assert (result.counts, result.unwritten) == ([], [1])
