@@ -41,6 +41,7 @@ MODEL = "smollm2-135m-instruct"
 FINISH_SECONDS = 180  # a scenario's requests all end within this, or something is stuck
 PIPELINE_DEPTH = Settings().pipeline_depth  # plans in flight per worker (the clusters' default)
 STEPS_A_PLAN = 1  # the executor's scheduler_steps (each plan in flight may sample that many tokens)
+TOKENS_A_STEP = 1  # the most tokens one step makes for a request (1 + its proposals, speculating)
 REPORT: dict[str, dict] = {}  # what each fault cost, filled by the tests
 REPORT_SUFFIX = ""  # the executor of the scenarios running now: "" for the model, "@emulated"
 
@@ -281,7 +282,7 @@ def check_token_streams(cluster: Cluster, outputs: dict[str, Output]) -> None:
         final = events[-1]
         if final.token_id < 0:
             assert tokens == events[:-1], f"{name}: an end without a token before a token"
-            in_flight = PIPELINE_DEPTH * STEPS_A_PLAN  # tokens the plans in flight may sample
+            in_flight = PIPELINE_DEPTH * STEPS_A_PLAN * TOKENS_A_STEP  # tokens the plans in flight may make
             assert len(tokens) - in_flight <= final.index == final.completion_tokens <= len(tokens), \
                 f"{name}: its end counts {final.completion_tokens} of {len(tokens)} tokens"
 
@@ -435,9 +436,11 @@ EXECUTORS = {
 
 @pytest.fixture(scope="module", params=list(EXECUTORS))
 def executor(request) -> dict[str, str]:
-    global REPORT_SUFFIX, STEPS_A_PLAN
+    global REPORT_SUFFIX, STEPS_A_PLAN, TOKENS_A_STEP
     REPORT_SUFFIX = "" if request.param == "engine" else f"@{request.param}"
     STEPS_A_PLAN = int(EXECUTORS[request.param].get("scheduler_steps", 1))
+    speculative = json.loads(EXECUTORS[request.param].get("speculative_config", "{}"))
+    TOKENS_A_STEP = 1 + speculative.get("num_speculative_tokens", 0)
     return EXECUTORS[request.param]
 
 
@@ -461,6 +464,13 @@ def baseline(executor: dict[str, str]) -> dict[str, Output]:
                 scheduler = cluster.get_json("/status")[1]["scheduler"]
                 return scheduler["iterations"] > 1.5 * scheduler["plans"]
             asyncio.run(until(several_steps_a_plan, "iterations of plans of several steps", 5))
+        if TOKENS_A_STEP > 1:  # it speculated: proposals were made, some kept (the scheduler's totals)
+            client = cluster.redis_client()  # (counted in Redis at the scheduler's heartbeat, every 0.5 s)
+            try:
+                asyncio.run(until(lambda: int(client.hget(keys.ModelKeys("").counters, "spec_accepted_tokens") or 0) > 0,
+                                  "speculative proposals kept", 5))
+            finally:
+                client.close()
     report("baseline", requests=len(specs), seconds=round(time.monotonic() - started, 1))
     return outputs
 
@@ -507,11 +517,12 @@ async def cancel_one_long_request(cluster: Cluster) -> None:
     # flight at the cancel before it (docs/protocol.md): check_token_streams bounds that.
     check_token_streams(cluster, {"long": output})
     with_it = [record for record in iteration_records(cluster) if output.request_id in record.request_ids]
-    # Each iteration it was in gave it a token, except the ones in flight when the cancel came
-    # (plans are pipelined: up to pipeline_depth of them, each of up to STEPS_A_PLAN steps), whose
-    # tokens were discarded.
+    # Each iteration it was in gave it a token (up to TOKENS_A_STEP, speculating), except the ones in
+    # flight when the cancel came (plans are pipelined: up to pipeline_depth of them, each of up to
+    # STEPS_A_PLAN steps), whose tokens were discarded.
     in_flight_at_most = PIPELINE_DEPTH * STEPS_A_PLAN
-    assert final.completion_tokens <= len(with_it) <= final.completion_tokens + in_flight_at_most, (
+    assert final.completion_tokens <= len(with_it) * TOKENS_A_STEP and \
+        len(with_it) <= final.completion_tokens + in_flight_at_most, (
         f"{len(with_it)} iterations for {final.completion_tokens} tokens: it ran on after the cancel")
     # Its KV is free once the plans in flight at the cancel and the one plan that frees it have run.
     worker_id = with_it[-1].worker_id

@@ -6,6 +6,8 @@ decoding plainly in the same steps; its KV length is rolled back to what it kept
 
 import random
 
+import torch
+
 import pytest
 
 from services.worker.speculation import accepted, propose_ngram
@@ -131,3 +133,53 @@ def test_a_request_beside_a_speculating_one_keeps_its_logprobs():
     assert not beside.errors and beside.tokens["asks"] == expected.tokens["asks"]
     got, want = beside.logprobs["asks"], expected.logprobs["asks"]
     assert abs(got.logprob - want.logprob) < 1e-4 and [token for token, _ in got.top] == [token for token, _ in want.top]
+
+
+def test_sampled_tokens_under_speculation_follow_the_target_distribution():
+    """Chi-square (as the sampler's tests): many seeded requests verify the same proposals after the
+    same prompt. The token sampled at the first position follows the model's (top-k renormalized)
+    distribution there, the first proposal is kept as often as that distribution gives it, and the
+    token after a kept proposal follows the model's distribution after it."""
+    from tests.test_sampler import CHI2_CRITICAL
+
+    engine = tiny_engine(kv_blocks=512)
+    prompt, top_k, requests, batch = [9, 41, 7, 200, 13], 6, 3072, 64
+
+    def distribution(tokens: list[int]) -> dict[int, float]:
+        engine.add_request("probe", SamplingParams(max_tokens=8))
+        logits = engine.step([prefill_item("probe", tokens)], return_logits=True).logits["probe"]
+        engine.free("probe")
+        values, ids = logits.topk(top_k)
+        return dict(zip(ids.tolist(), torch.softmax(values.double(), 0).tolist()))
+
+    first = distribution(prompt)
+    likeliest = max(first, key=first.get)
+    proposals = (likeliest, 3, 4)
+    after = distribution(prompt + [likeliest])
+    firsts, seconds = [], []
+    for begin in range(0, requests, batch):
+        items = []
+        for seed in range(begin, begin + batch):
+            engine.add_request(f"r{seed}", SamplingParams(temperature=1.0, top_k=top_k, seed=seed, max_tokens=8))
+            items.append(StepItem(f"r{seed}", (*prompt, *proposals), 0, True, 0, False, len(proposals)))
+        step = engine.step(items)
+        for seed in range(begin, begin + batch):
+            tokens = step.speculated.get(f"r{seed}", [step.tokens[f"r{seed}"]])
+            firsts.append(tokens[0])
+            if tokens[0] == likeliest:
+                assert len(tokens) >= 2
+                seconds.append(tokens[1])
+            else:  # a refused proposal: nothing sampled after it stands (it followed a token not there)
+                assert len(tokens) == 1, tokens
+            engine.free(f"r{seed}")
+
+    def chi_square(drawn: list[int], expected: dict[int, float]) -> None:
+        assert set(drawn) <= set(expected)  # nothing outside the top k
+        statistic = sum((drawn.count(token) - len(drawn) * p) ** 2 / (len(drawn) * p) for token, p in expected.items())
+        assert statistic < CHI2_CRITICAL[len(expected) - 2], (statistic, expected)
+
+    chi_square(firsts, first)
+    # kept as often as it is drawn: within 4 standard deviations of requests x p
+    kept, p = len(seconds), first[likeliest]
+    assert abs(kept - requests * p) < 4 * (requests * p * (1 - p)) ** 0.5, (kept, requests * p)
+    chi_square(seconds, after)
