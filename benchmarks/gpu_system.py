@@ -15,7 +15,13 @@ needed), it
    it was busy) and the scheduler's CPU per worker-iteration;
 2. runs the engine alone on the same requests (services/bench/engine_replay.py: the scheduler's
    own policy forms the batches, at most `concurrency` rows, back to back in one process);
-3. prints one row per concurrency, served / engine-alone as the ratio.
+3. fits the emulated executor's hardware profile to the decode steps the worker reported (their
+   step time by batch size: memory efficiency and launch time, services/worker/hardware.py
+   profile_from_measurement, over the device's bandwidth and matmul rate measured here), writes it,
+   and runs the same load through the system again with `--executor emulated --hardware <it>`: the
+   emulation's prediction beside the measurement, and its step time against the measured one at
+   each batch size;
+4. prints one row per concurrency, served / engine-alone as the ratio.
 Every phase runs under its own timeout and the report (JSON and markdown in --out) is written
 after each one, so a run cut short keeps what it measured. The last line printed is the served /
 engine-alone ratio at the highest concurrency of the last shape.
@@ -43,6 +49,7 @@ from services.bench.overhead import read_iterations, timeline  # noqa: E402
 from services.bench.runner import BenchConfig, finite, machine_info, run_benchmark  # noqa: E402
 from services.bench.server import REPO, ServerProcess  # noqa: E402
 from services.bench.workloads import PromptSource, WorkloadConfig, build_requests  # noqa: E402
+from services.worker.hardware import parse_profile, profile_from_measurement  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from tests.checkpoints import BYTE_VOCABULARY, write_byte_tokenizer  # noqa: E402
 
@@ -156,6 +163,56 @@ class Run:
         for concurrency in self.sizes.concurrencies:
             entry["levels"][str(concurrency)]["engine_alone"] = self.engine_alone(model_dir, concurrency)
             self.write()
+        self.emulated(shape, model_dir, entry)
+
+    def emulated(self, shape: str, model_dir: Path, entry: dict) -> None:
+        """The emulated executor's prediction of the same runs, from a profile fitted to the decode
+        steps measured in them (written beside the results; `--hardware <it>` emulates this device)."""
+        steps: dict[int, list[float]] = {}
+        for level in entry["levels"].values():
+            for batch, seconds in (level.get("served") or {}).get("decode_steps", {}).items():
+                steps.setdefault(int(batch), []).extend(seconds)
+        measured = {batch: sorted(times)[len(times) // 2] for batch, times in steps.items() if len(times) >= 3}
+        if not measured:
+            log(f"{shape}: no decode steps to fit a profile to")
+            return
+        fields = SHAPES[shape]
+        head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+        model = {"n_layers": fields["num_hidden_layers"], "hidden_size": fields["hidden_size"],
+                 "ffn_size": fields["intermediate_size"], "n_heads": fields["num_attention_heads"],
+                 "n_kv_heads": fields["num_key_value_heads"], "head_dim": head_dim, "vocab_size": fields["vocab_size"],
+                 "context_length": CONTEXT, "dtype_bytes": 4 if self.dtype == "float32" else 2,
+                 "tied_embeddings": fields["tie_word_embeddings"], "gated_ffn": True}
+        device = device_figures(self.device, self.dtype)
+        # (the decode steps' mean context: the prompt and half the output, on average)
+        context = int(sum(self.sizes.input_range) / 2 + sum(self.sizes.output_range) / 4)
+        profile = profile_from_measurement(f"measured-{self.device}-{shape}-{self.dtype}", model, device, context,
+                                           measured, compute_efficiency=1.0 if self.device == "cpu" else 0.6)
+        profile["efficiency"]["calibration"] = profile["efficiency"]["calibration"].replace(
+            "benchmarks/gpu_check.py", "benchmarks/gpu_system.py (the served runs' decode steps)")
+        profile["description"] = f"{shape}'s shape (random weights) in {self.dtype} on {device['name']}, as served"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"gpu_system_profile_{self.device}_{shape}.json"
+        path.write_text(json.dumps(profile, indent=2) + "\n")
+        fitted = parse_profile(profile)
+        entry["profile"] = {"path": path.name, "memory_efficiency": profile["efficiency"]["memory"],
+                            "launch_ms": profile["efficiency"]["launch_ms"], "context": context, "device": device,
+                            "step_ms": {str(batch): {"measured": 1000 * seconds, "samples": len(steps[batch]),
+                                                     "emulated": 1000 * fitted.decode_step_seconds(batch, context)}
+                                        for batch, seconds in sorted(measured.items())}}
+        log(f"{shape}: profile fitted (memory efficiency {profile['efficiency']['memory']:.2f}, launch "
+            f"{profile['efficiency']['launch_ms']:.2f} ms): {path}")
+        self.write()
+        name = f"random-{shape}"
+        options = ("--model", str(model_dir), "--served-model-name", name, "--executor", "emulated",
+                   "--hardware", str(path), "--max-model-len", str(CONTEXT))
+        source = PromptSource(Tokenizer.load(str(model_dir)))
+        with ServerProcess(workers=1, kv_blocks=self.sizes.kv_blocks, extra_args=options,
+                           env={"ITERSERVE_ITERATION_RECORDS": str(ITERATION_RECORDS_KEPT)}) as server:
+            self.warm_up(server, name, source)
+            for concurrency in self.sizes.concurrencies:
+                entry["levels"][str(concurrency)]["emulated"] = self.served(server, name, source, concurrency)
+                self.write()
 
     def warm_up(self, server: ServerProcess, name: str, source: PromptSource) -> None:
         tiny = WorkloadConfig("orca", input_range=(16, 32), output_range=(4, 8))
@@ -176,6 +233,10 @@ class Run:
         rows = read_iterations(server.redis_url, report["started_at_unix"], report["finished_at_unix"])
         split = timeline(rows)
         summary = report["summary"]
+        decode_steps: dict[str, list[float]] = {}  # batch size -> step seconds of its decode-only iterations
+        for row in rows:
+            if row["batch_size"] and not row["prefill_tokens"] and row["step_s"]:  # (not a plan that only frees)
+                decode_steps.setdefault(str(row["batch_size"]), []).append(row["step_s"])
         iterations = max(split["iterations"], 1)
         scheduler_cpu = cpu_after.get("scheduler", 0.0) - cpu_before.get("scheduler", 0.0)
         level = {
@@ -187,6 +248,7 @@ class Run:
             "engine_ms_per_iteration": split["engine_ms_per_iteration"],
             "scheduler_cpu_ms_per_iteration": 1000 * scheduler_cpu / iterations,
             "cpu_seconds": {part: cpu_after.get(part, 0.0) - cpu_before.get(part, 0.0) for part in cpu_after},
+            "decode_steps": decode_steps,
         }
         log(f"served at concurrency {concurrency}: {level['completed']}/{level['requests']} done, "
             f"{level['output_tok_s']:.1f} tok/s, busy {figure(level['busy_fraction'], 2)}, scheduler "
@@ -223,6 +285,42 @@ class Run:
         (self.out_dir / f"gpu_system_{self.device}.md").write_text(render(self.results))
 
 
+def device_figures(device: str, dtype: str) -> dict:
+    """The device as a profile names it: its copy bandwidth and dense matmul rate in the dtype, both
+    measured here (on CUDA the peak rate is the datasheet's where gpu_check knows it), its memory."""
+    import torch
+
+    cuda = device == "cuda"
+    target = torch.device("cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    data = torch.empty(1 << (30 if cuda else 28), dtype=torch.uint8, device=target)
+    copy = torch.empty_like(data)
+    copy.copy_(data)
+    sync()
+    started = time.perf_counter()
+    for _ in range(5):
+        copy.copy_(data)
+    sync()
+    bandwidth = 2 * 5 * data.numel() / (time.perf_counter() - started)
+    del data, copy
+    element = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    size, repeats = (4096, 20) if cuda else (1024, 4)
+    left, right = (torch.randn(size, size, device=target).to(element) for _ in range(2))
+    left @ right
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        left @ right
+    sync()
+    rate = 2 * size**3 * repeats / (time.perf_counter() - started)
+    name = accelerator(device) or machine_info()["cpu"]
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
+    return {"name": name, "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "peak_tflops": round(rate / 1e12, 4),
+            "memory_gb": round(memory / 1e9, 1),
+            "source": f"measured by benchmarks/gpu_system.py: a 256 MiB+ copy, a {size}^3 matmul in {dtype}"}
+
+
 def accelerator(device: str) -> str | None:
     if device != "cuda":
         return None
@@ -253,16 +351,33 @@ def render(results: dict) -> str:
     for shape, entry in results["shapes"].items():
         lines += [f"## {shape}", "",
                   "| concurrency | served tok/s | engine alone tok/s | served / alone | worker busy | "
-                  "scheduler CPU ms / worker-iteration | mean batch | TTFT p50 ms | TPOT p50 ms |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for concurrency, level in entry["levels"].items():
+                  "scheduler CPU ms / worker-iteration | mean batch | TTFT p50 ms | TPOT p50 ms | "
+                  "EMULATED tok/s (prediction) | emulated / served | emulated busy |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for concurrency, level in entry.get("levels", {}).items():
             served, alone = level.get("served") or {}, level.get("engine_alone") or {}
+            emulated = level.get("emulated") or {}
+            predicted = (emulated["output_tok_s"] / served["output_tok_s"]
+                         if emulated.get("output_tok_s") and served.get("output_tok_s") else None)
             lines.append(f"| {concurrency} | {figure(served.get('output_tok_s'))} | "
                          f"{figure(alone.get('output_token_throughput_replay'))} | {figure(ratio(level), 2)} | "
                          f"{figure(served.get('busy_fraction'), 2)} | "
                          f"{figure(served.get('scheduler_cpu_ms_per_iteration'), 2)} | "
                          f"{figure(served.get('mean_batch_size'))} | {figure(served.get('ttft_ms_p50'))} | "
-                         f"{figure(served.get('tpot_ms_p50'))} |")
+                         f"{figure(served.get('tpot_ms_p50'))} | {figure(emulated.get('output_tok_s'))} | "
+                         f"{figure(predicted, 2)} | {figure(emulated.get('busy_fraction'), 2)} |")
+        profile = entry.get("profile")
+        if profile:
+            device = profile["device"]
+            lines += ["", f"The emulated executor's profile, fitted to the served decode steps "
+                          f"(`{profile['path']}`): memory efficiency {profile['memory_efficiency']:.2f} of "
+                          f"{device['memory_bandwidth_gb_s']} GB/s, launch {profile['launch_ms']:.2f} ms, "
+                          f"{device['peak_tflops']} TFLOPS; at context {profile['context']}:", "",
+                      "| batch | measured step ms (median) | decode steps | emulated step ms | emulated / measured |",
+                      "|---|---|---|---|---|"]
+            for batch, step in profile["step_ms"].items():
+                lines.append(f"| {batch} | {step['measured']:.2f} | {step['samples']} | {step['emulated']:.2f} | "
+                             f"{step['emulated'] / step['measured']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

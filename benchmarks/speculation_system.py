@@ -6,9 +6,11 @@ the same prompts and load, the servers taking turns at each workload (this machi
 
 - `quotes`: each prompt shows two passages copied line for line and asks for a third copy (the kind
   of output a summary, rewrite or code edit makes: long runs of the prompt's tokens);
-- `fresh`: ../shared/peers/load.py's stories (nothing to quote: proposals fail or are not made).
+- `fresh`: ../shared/peers/load.py's stories (little to quote, though a 135M model repeats itself);
+- `sampled`: the same stories sampled at temperature 1.0, top_p 0.95 (most proposals are refused:
+  what failing proposals cost).
 
-Closed loop, 64 output tokens forced with ignore_eos, greedy, streaming (load.py's client), each
+Closed loop, 64 output tokens forced with ignore_eos, greedy but for `sampled`, streaming (load.py's client), each
 request's prompt made unique so that no prompt cache helps. Output tok/s per server and concurrency,
 and the speculating server's over the plain one's. Every greedy output of the speculating iterserve
 is checked equal to the plain one's, prompt by prompt.
@@ -71,7 +73,9 @@ def load_module():
 def run_level(load, url: str, model: str, workload: str, concurrency: int, seed_offset: int, mult: int) -> dict:
     stories = load.__dict__.setdefault("story_prompt", load.make_prompt)
     load.make_prompt = quoting_prompt if workload == "quotes" else stories
-    args = SimpleNamespace(url=url, model=model, max_tokens=64, temperature=0.0, top_p=None, force="ignore_eos",
+    sampled = workload == "sampled"
+    args = SimpleNamespace(url=url, model=model, max_tokens=64, temperature=1.0 if sampled else 0.0,
+                           top_p=0.95 if sampled else None, force="ignore_eos",
                            timeout=600.0, level_timeout=1800.0, seed_offset=seed_offset, mult=mult)
     return asyncio.run(load.run_level(args, concurrency))
 
@@ -108,6 +112,8 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=None, help="also llama-server, with and without "
                                                                         "--spec-type ngram where it has it")
     parser.add_argument("--name", default="", help="suffix of the results' file names")
+    parser.add_argument("--depth-one", action="store_true", help="also a plain iterserve with --pipeline-depth 1 "
+                                                                   "per dtype (what unpipelined steps cost)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
@@ -124,6 +130,11 @@ def main() -> None:
                 "--dtype", dtype, "--speculative-config", args.config)))
             servers += [(f"iterserve-{dtype}", plain.url, "smollm2-135m-instruct", None),
                         (f"iterserve-{dtype}+ngram", speculating.url, "smollm2-135m-instruct", f"iterserve-{dtype}")]
+            if args.depth_one:
+                unpipelined = stack.enter_context(ServerProcess(workers=1, threads=args.threads, extra_args=(
+                    "--dtype", dtype, "--pipeline-depth", "1")))
+                servers.append((f"iterserve-{dtype}-depth1", unpipelined.url, "smollm2-135m-instruct",
+                                f"iterserve-{dtype}"))
         if args.llama_server is not None:
             llama = stack.enter_context(LlamaServer(args.llama_server, args.threads, 64))
             servers.append(("llama-server", llama.url, "smollm2", None))
@@ -134,7 +145,7 @@ def main() -> None:
                 servers.append(("llama-server+ngram", speculating_llama.url, "smollm2", "llama-server"))
         for workload in workloads:  # greedy outputs, speculating against plain, before any timing
             for name, url, model, baseline in servers:
-                if baseline and name.startswith("iterserve"):
+                if baseline and name.startswith("iterserve") and workload != "sampled":
                     base_url = next(server[1] for server in servers if server[0] == baseline)
                     ours, theirs = (texts(load, url, model, workload, 4, 50_000),
                                     texts(load, base_url, model, workload, 4, 50_000))

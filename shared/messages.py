@@ -315,6 +315,10 @@ class IterationRecord(Frozen):
     started_at: float
     finished_at: float
     step_seconds: float = 0.0  # the worker's time in the engine for this plan
+    # Speculative decoding: tokens its items proposed, and of them the ones kept (each kept one is a
+    # token more than the step's one per request)
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 # An IterationRecord as the scheduler makes one every worker-iteration: the same fields in the same

@@ -48,3 +48,15 @@ def test_the_gpu_system_run_serves_and_replays_on_the_cpu(tmp_path):
     last = re.search(r"served / engine alone at concurrency 2: (\d+\.\d+)$", run.stdout.strip())
     assert last and 0.1 < float(last.group(1)) < 10, run.stdout[-1000:]
     assert "| 2 |" in (tmp_path / "gpu_system_cpu.md").read_text()
+    # The emulated executor's prediction of the same runs, from a profile fitted to the served steps
+    profile = report["shapes"]["smollm2-135m"]["profile"]
+    from services.worker.hardware import load_profile
+
+    fitted = load_profile(str(tmp_path / profile["path"]))  # (it loads: `--hardware <it>` emulates this host)
+    assert 0 < fitted.memory_efficiency <= 1 and "1" in profile["step_ms"]
+    for step in profile["step_ms"].values():
+        assert step["measured"] > 0 and step["emulated"] > 0
+    for concurrency in ("1", "2"):
+        emulated = levels[concurrency]["emulated"]
+        assert emulated["completed"] == emulated["requests"] == 4 and emulated["output_tok_s"] > 0
+    assert "EMULATED tok/s (prediction)" in (tmp_path / "gpu_system_cpu.md").read_text()

@@ -29,7 +29,8 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(requests: list[tuple[list[int], SamplingParams]], speculative: SpeculativeConfig | None, depth: int = 2,
-        kv_blocks: int = 128, engine=None, stop_token_ids=()) -> tuple[dict[str, list[int]], SchedulerPolicy, list]:
+        kv_blocks: int = 128, engine=None, stop_token_ids=(), scheduler_steps: int = 1,
+        ) -> tuple[dict[str, list[int]], SchedulerPolicy, list]:
     """Every request's output tokens (by request id), the policy, and the plans sent (on a tiny
     random model's engine, or on `engine`, reset first)."""
     if engine is None:
@@ -37,7 +38,7 @@ def run(requests: list[tuple[list[int], SamplingParams]], speculative: Speculati
     engine.reset()
     kv = engine.kv_cache
     policy = SchedulerPolicy("epoch", context_length=512, stop_token_ids=stop_token_ids, pipeline_depth=depth,
-                             prefix_caching=True, speculative=speculative)
+                             prefix_caching=True, speculative=speculative, scheduler_steps=scheduler_steps)
     policy.worker_up("w", kv.blocks_total, kv.block_size, kv_identity="engine:test")
     for number, (prompt, sampling) in enumerate(requests):
         policy.add_request(RequestRecord(request_id=f"{number:032x}", prompt_token_ids=tuple(prompt),
@@ -51,15 +52,15 @@ def run(requests: list[tuple[list[int], SamplingParams]], speculative: Speculati
         if not in_flight:
             break
         decoded = reader.decode(in_flight.popleft(), engine.kv_length, "w")
-        plan = decoded.plan
-        if plan.free_all:
+        if decoded.plan.free_all:
             engine.reset()
-        engine.take_plan(plan)
-        outcome = engine.step(plan.items)
-        assert not outcome.errors and not decoded.unknown, (outcome.errors, decoded.unknown)
+        engine.take_plan(decoded.plan)
         answers = StepAnswers(reader)
-        answers.add(decoded, outcome.tokens, {}, [(error.request_id, error.code, error.message)
-                                                  for error in outcome.errors], 0.01, None, outcome.speculated)
+        while decoded is not None:  # (a plan of several steps: each, as the worker runs them)
+            outcome = engine.step(decoded.plan.items)
+            assert not outcome.errors and not decoded.unknown, (outcome.errors, decoded.unknown)
+            answers.add(decoded, outcome.tokens, {}, [], 0.01, None, outcome.speculated)
+            decoded = reader.next_step(decoded, engine.kv_length)
         kv = engine.kv_cache
         _, raw = read_result(answers.packed(kv.blocks_total, kv.blocks_free, kv.blocks_cached, kv.cache_digest))
         for result in policy.answers_to_apply(read_result_columns(raw)):
@@ -108,6 +109,21 @@ def test_the_packaged_model_copying_a_passage_keeps_most_proposals_and_gives_the
     tokens = len(plain["00" * 16])
     assert policy.spec_accepted_tokens >= tokens // 2, (policy.spec_accepted_tokens, tokens)
     assert sum(bool(plan.item_ids) for plan in plans) < tokens * 2 // 3  # steps of several tokens
+    records = policy.take_iteration_records()  # (the live page's): each iteration's proposals and kept
+    assert sum(record.proposed_tokens for record in records) == policy.spec_draft_tokens
+    assert sum(record.accepted_tokens for record in records) == policy.spec_accepted_tokens
+
+
+def test_speculation_beside_plans_of_several_steps_gives_the_same_tokens():
+    """--scheduler-steps 4: plans of decodes run 4 steps; a plan with proposals runs one; requests
+    that back off run in plans of several steps, and the tokens are the same."""
+    requests = [(prompt, SamplingParams(max_tokens=COUNT, ignore_eos=True, temperature=0.9, seed=number))
+                for number, prompt in enumerate(prompts(3, seed=7))]
+    plain, _, plain_plans = run(requests, None, scheduler_steps=4)
+    speculated, policy, plans = run(requests, NGRAM, scheduler_steps=4)
+    assert speculated == plain
+    assert policy.spec_drafts > 0 and any(plan.steps > 1 for plan in plans)
+    assert all(plan.steps == 1 for plan in plans if plan.drafts)
 
 
 def test_no_request_speculates_past_disable_by_batch_size_and_outputs_stay_the_same():

@@ -24,6 +24,8 @@ class RecordDraft:
     preempted: list[str] = field(default_factory=list)
     finished_at: float = 0.0
     step_seconds: float = 0.0
+    proposed_tokens: int = 0  # speculative decoding: proposed in its items, and kept
+    accepted_tokens: int = 0
 
 
 class IterationRecords:
@@ -53,6 +55,8 @@ class IterationRecords:
                 started_at=flight.started_at,
                 finished_at=draft.finished_at,
                 step_seconds=draft.step_seconds,
+                proposed_tokens=draft.proposed_tokens,
+                accepted_tokens=draft.accepted_tokens,
             ))
         return records
 

@@ -181,6 +181,8 @@ class ResultApplication:
                     self._on_item_error(worker, state, "bad_item", f"{count} tokens for {state.drafts_in_flight} "
                                                                    "proposals")
                     continue
+                drafts[0].proposed_tokens += state.drafts_in_flight  # (an answer of one step: one record)
+                drafts[0].accepted_tokens += count - 1
                 self._verified(state, count - 1)
             elif steps == 1 and count > 1:
                 self._on_item_error(worker, state, "bad_item", f"{count} tokens for an item of one")

@@ -40,17 +40,14 @@ class Speculation:
         blocks are reserved."""
         config = self.speculative
         most = min(config.num_speculative_tokens, state.output_limit - outputs - 1, budget)
-        if most <= 0:
-            return []
         proposal = propose_ngram(state.prompt_token_ids + tuple(state.output_token_ids), most,
-                                 config.prompt_lookup_min, config.lookup_max)
-        if not proposal:
+                                 config.prompt_lookup_min, config.lookup_max) if most > 0 else []
+        needed = worker.blocks_for(computed + 1 + len(proposal)) - state.kv_blocks if proposal else 0
+        if not proposal or needed > worker.kv_blocks_available:
+            # (backed off whatever the reason: else, pipelined next plan, it would sit out every other one)
             self._back_off(state)
             return []
-        needed = worker.blocks_for(computed + 1 + len(proposal)) - state.kv_blocks
         if needed > 0:
-            if needed > worker.kv_blocks_available:
-                return []
             worker.take_blocks(needed)
             state.kv_blocks += needed
         return proposal

@@ -47,6 +47,7 @@ log = logging.getLogger("iterserve.worker")
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 MONITOR_SECONDS = 0.2
+DYING_RANK_SECONDS = 5.0  # how long a rank whose sockets closed may take to be seen gone
 PR_SET_PDEATHSIG = 1
 
 
@@ -138,11 +139,14 @@ class EngineGroup:
 
     @contextlib.contextmanager
     def _a_dead_rank_stops_the_group(self) -> Iterator[None]:
-        """A collective that fails because a rank died stops the group (else the error goes on)."""
+        """A collective that fails because a rank died stops the group (else the error goes on). The
+        collective fails as the dead rank's sockets close, which may be well before its process is
+        seen gone: a large process killed on a loaded host took over a second (CI), so up to
+        DYING_RANK_SECONDS are given (a collective that fails for another reason is fatal anyway)."""
         try:
             yield
         except Exception:
-            self._stop_if_a_rank_died(MONITOR_SECONDS * 5)
+            self._stop_if_a_rank_died(DYING_RANK_SECONDS)
             raise
 
     def reset(self) -> None:
