@@ -28,7 +28,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.vs_llama_server import LlamaServer  # noqa: E402
+from services.bench.runner import machine_info  # noqa: E402
 from services.bench.server import ServerProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def main() -> None:
                     print(f"  {row['tok_s']:.1f} tok/s, TPOT {row['tpot_mean_s'] * 1000:.1f} ms", flush=True)
     shown = " / ".join(map(str, levels))
     lines = ["# Speculative decoding through the whole system (executor: engine, SmolLM2-135M)", "",
-             f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} "
+             f"Measured on {machine_info()['cpu']}, {os.cpu_count()} cores, {args.threads} "
              f"threads per server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/speculation_system.py {' '.join(sys.argv[1:])}` "
              f"({time.time() - started:.0f} s).",
