@@ -84,6 +84,10 @@ SERVICE_OPTIONS = {
     "--log-level": ("log_level", str, "DEBUG, INFO, WARNING ..."),
     "--log-requests": ("log_requests", bool, "the scheduler logs each request's admission and end (default: "
                                              "only the gateways log requests, at their end)"),
+    "--schedulers": ("schedulers", int, "schedulers per model, each leasing a shard of its workers and taking "
+                                        "over those of one that dies or stalls (default 1)"),
+    "--scheduler-lease-ms": ("scheduler_lease_ms", int, "--schedulers N: how long a scheduler's leases last "
+                                                        "unrenewed, the longest wait before a takeover (default 2000)"),
     "--scheduler-cpus": ("scheduler_cpus", str, "up: CPUs the scheduler runs on alone, kept from idling (a CPU "
                                                 "list: 3 or 2-3); everything else runs on the others (default: "
                                                 "no pinning)"),

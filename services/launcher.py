@@ -210,6 +210,15 @@ def visible_gpus() -> list[str]:
     return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
 
 
+def scheduler_shares(cpus: frozenset[int] | None, schedulers: int) -> list[frozenset[int] | None]:
+    """Each of a model's schedulers' CPUs: its own from --scheduler-cpus, dealt in turn (Settings
+    checks there are enough), or none pinned."""
+    if not cpus:
+        return [None] * schedulers
+    ordered = sorted(cpus)
+    return [frozenset(ordered[index::schedulers]) for index in range(schedulers)]
+
+
 def worker_gpu_env(settings: Settings, worker_index: int, gpus: list[str]) -> dict[str, str]:
     """Worker i on GPU i (round-robin when there are more workers than GPUs): each sees one device,
     as cuda:0; a worker group of N ranks sees the next N GPUs, rank r on its r-th. Nothing changes
@@ -285,7 +294,9 @@ def run_up(settings: Settings) -> int:
         suffix = f"-{served.name}" if len(models) > 1 else ""
         model_env = env | {"ITERSERVE_MODEL": served.path, "ITERSERVE_SERVED_MODEL_NAME": served.name,
                            "ITERSERVE_MODEL_GROUP": served.keys.group}
-        children.append(Child(f"scheduler{suffix}", service + ["scheduler"], model_env, scheduler_cpus))
+        for index, cpus in enumerate(scheduler_shares(scheduler_cpus, settings.schedulers)):
+            name = f"scheduler{suffix}" if settings.schedulers == 1 else f"scheduler{suffix}-{index + 1}"
+            children.append(Child(name, service + ["scheduler"], model_env, cpus))
         for index in range(settings.workers):
             # No fixed worker id: a restarted worker is a new worker (its predecessor's KV is gone).
             worker_env = model_env | {"ITERSERVE_THREADS": str(threads), "ITERSERVE_WORKER_ID": ""}

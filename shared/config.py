@@ -166,6 +166,13 @@ class Settings(BaseModel):
     # is noticed within 1.75 s.
     worker_timeout_seconds: float = Field(1.5, gt=0)
     scheduler_timeout_seconds: float = Field(3.0, gt=0)
+    # Schedulers per model (docs/scaling.md, "Shards of workers"): 1 (the default) plans every
+    # worker of the model; N > 1 run side by side, each holding leases on a shard of the workers and
+    # owning the requests it took, taking over those of one whose lease ran out (scheduler_lease_ms).
+    schedulers: int = Field(1, ge=1, le=64)
+    # How long a scheduler's leases (on itself and on its workers) last unless renewed (every poll,
+    # a quarter second): a scheduler dead or stalled this long is taken over.
+    scheduler_lease_ms: int = Field(2000, ge=500, le=60000)
     stall_seconds: float = Field(30.0, gt=0)  # /health: no iteration this long while requests wait
     # SIGTERM'd worker: takes no new requests, hands its running ones over (or finishes them),
     # and exits after at most this long (compose and `up` give a stopping service 10 s and 15 s).
@@ -214,7 +221,13 @@ class Settings(BaseModel):
         if self.scheduler_plan_ms and self.scheduler_steps == 1:
             raise ValueError(f"scheduler_plan_ms {self.scheduler_plan_ms} needs scheduler_steps above 1 "
                              "(the most steps a plan may run)")
-        cpu_list(self.scheduler_cpus)  # (a ValueError names what is wrong)
+        scheduler_cpus = cpu_list(self.scheduler_cpus)  # (a ValueError names what is wrong)
+        if self.schedulers > 1 and scheduler_cpus and len(scheduler_cpus) < self.schedulers:
+            raise ValueError(f"schedulers {self.schedulers} with scheduler_cpus {self.scheduler_cpus}: each scheduler "
+                             f"gets its own CPUs from the list, which names {len(scheduler_cpus)}")
+        if self.schedulers > 1 and self.policy != "iteration":
+            raise ValueError(f"schedulers {self.schedulers} needs the iteration policy (a request-level batch is "
+                             "held whole by the one scheduler that formed it)")
         speculative = parse_speculative_config(self.speculative_config)  # (as does this)
         if speculative is not None and self.policy != "iteration":
             raise ValueError("speculative_config needs the iteration policy (a request-level batch runs to its end)")

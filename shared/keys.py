@@ -77,6 +77,53 @@ class ModelKeys:
         may have lost writes, until a scheduler has loaded the pool from what Redis kept."""
         return self._key("scheduler:incarnation")
 
+    # Several schedulers per model (Settings.schedulers > 1: services/scheduler/shards.py)
+
+    @cached_property
+    def schedulers(self) -> str:
+        """Set of the ids of the model's schedulers (each one's epoch) that joined and were not yet
+        taken over: each is alive while its lease (scheduler_lease) holds its own id."""
+        return self._key("schedulers")
+
+    def scheduler_lease(self, scheduler_id: str) -> str:
+        """A scheduler's lease on itself: its id, with a time to live it renews at every poll."""
+        return self._key(f"scheduler:lease:{scheduler_id}")
+
+    def scheduler_fence(self, scheduler_id: str) -> str:
+        """Set ("taken") once another scheduler took a scheduler's workers and requests over: the
+        write that aborts its next transaction (it WATCHes this key, which nothing else writes)."""
+        return self._key(f"scheduler:fence:{scheduler_id}")
+
+    def scheduler_heartbeat_of(self, scheduler_id: str) -> str:
+        """One of several schedulers' heartbeat (SchedulerInfo), as scheduler_heartbeat is the one's."""
+        return self._key(f"scheduler:heartbeat:{scheduler_id}")
+
+    def results_of(self, scheduler_id: str) -> str:
+        """One of several schedulers' result stream: its workers answer its plans there."""
+        return self._key(f"results:{scheduler_id}")
+
+    @cached_property
+    def request_owners(self) -> str:
+        """Hash request id -> the id of the scheduler that took it (HSETNX: one takes each)."""
+        return self._key("requests:owner")
+
+    @cached_property
+    def lease_changes(self) -> str:
+        """Hash worker id -> how many times its lease changed owner: its fencing token, which only grows."""
+        return self._key("lease:changes")
+
+
+# The epochs of one of several schedulers start so (its id): a worker answers their plans in the
+# scheduler's own result stream, checked against its worker_lease, not ModelKeys.incarnation.
+SHARDED_EPOCH_PREFIX = "s-"
+
+
+def worker_lease(worker_id: str) -> str:
+    """The lease of the scheduler that plans for a worker (Settings.schedulers > 1): "EPOCH RUN_ID",
+    the form of ModelKeys.incarnation, so the worker's token entries and results are written only
+    while its plan's scheduler holds it (services/worker/token_writer.py)."""
+    return f"{PREFIX}:lease:{worker_id}"
+
 
 # Lua: this Redis server's run_id, new at every start of redis-server (the scripts that set and
 # compare ModelKeys.incarnation, and the scheduler's liveness poll, read it so).

@@ -296,6 +296,10 @@ class SchedulerInfo(Frozen):
     # The executors of the workers it schedules ("emulated": a hardware profile's times, no model):
     # the gateway says so on every answer (x-iterserve-executor) and in /health.
     executors: list[str] = []
+    # One of several schedulers of its model (Settings.schedulers > 1): its id, and the workers it
+    # leases with each one's fencing token (how many times that worker's lease changed owner).
+    scheduler_id: str = ""
+    leases: dict[str, int] = {}
 
 
 class IterationRecord(Frozen):

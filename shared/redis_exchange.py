@@ -120,6 +120,12 @@ class Exchange:
         self._replies: _Replies | None = None
         self._sending = False
 
+    @property
+    def connected_as(self) -> Any:
+        """The connection's identity (its stream writer; None before the first send): it changes
+        when the exchange connects again, which loses what lived on the old connection (a WATCH)."""
+        return self._writer if self._connection is not None and self._connection.is_connected else None
+
     async def send(self, commands: list[tuple]) -> list:
         """Every command's reply, in order (an error reply as its exception, not raised). One call at
         a time: a second one meanwhile would read the first one's replies."""

@@ -56,10 +56,13 @@ class Service:
 
 class Cluster:
     def __init__(self, *, workers: int = 2, kv_blocks: int = 256, max_batch_size: int = 64, threads: int = 1,
-                 redis_args: tuple[str, ...] = (), redis_replicas: int = 0, **settings: object) -> None:
+                 redis_args: tuple[str, ...] = (), redis_replicas: int = 0, schedulers: int = 1,
+                 **settings: object) -> None:
         """redis_replicas > 0: a Redis that fails over (tests/redis_server.py RedisGroupProcess), every
-        service through its Sentinels, the gateway accepting once a replica holds a request."""
+        service through its Sentinels, the gateway accepting once a replica holds a request.
+        schedulers > 1: that many schedulers (scheduler-1, scheduler-2 ...), each leasing a shard."""
         self.workers_at_start = workers
+        self.scheduler_names = ["scheduler"] if schedulers == 1 else [f"scheduler-{i + 1}" for i in range(schedulers)]
         self.directory = Path(tempfile.mkdtemp(prefix="iterserve-chaos-"))
         if redis_replicas:
             self.redis = RedisGroupProcess(str(self.directory / "redis"), redis_replicas)
@@ -71,7 +74,7 @@ class Cluster:
         self.base_url = f"http://127.0.0.1:{self.port}"
         # Admission control is not under test here: room for a storm of concurrent clients.
         options = {"port": self.port, "kv_blocks": kv_blocks, "max_batch_size": max_batch_size, "threads": threads,
-                   "device": "cpu", "max_streams_per_key": 1024, **settings}
+                   "device": "cpu", "max_streams_per_key": 1024, "schedulers": schedulers, **settings}
         self.env = dict(os.environ) | {"REDIS_URL": self.redis.url, "PYTHONUNBUFFERED": "1",
                                        "ITERSERVE_LOG_LEVEL": "INFO", "ITERSERVE_LOG_REQUESTS": "1"}
         self.env |= {f"ITERSERVE_{name.upper()}": str(value) for name, value in options.items()}
@@ -84,7 +87,8 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         try:
             self.redis.start()
-            self.start("scheduler")
+            for name in self.scheduler_names:
+                self.start("scheduler", name)
             for _ in range(self.workers_at_start):
                 self.start_worker()
             self.start("gateway")
@@ -195,14 +199,15 @@ class Cluster:
         last = None
         while True:
             for service in self.services.values():
-                if not service.running() and service.name in ("scheduler", "gateway"):
+                if not service.running() and service.name in ("gateway", *self.scheduler_names):
                     raise RuntimeError(f"{service.name} exited with {service.process.returncode}:\n"
                                        f"{self.log(service.name)[-3000:]}")
             try:
                 health, _ = self.get_json("/health")
                 _, status = self.get_json("/status")
                 live = [worker for worker in status["workers"] if not worker["draining"]]
-                scheduling = "scheduler" in self.services and self.services["scheduler"].running()
+                scheduling = any(name in self.services and self.services[name].running()
+                                 for name in self.scheduler_names)
                 unseen = [worker["id"] for worker in live if scheduling and worker["id"] not in
                           ((status["models"][worker["model"]]["scheduler"] or {}).get("kv_blocks") or {})]
                 last = (health, len(live), unseen)

@@ -909,6 +909,122 @@ def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline, executor):
                longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
 
 
+# Several schedulers (--schedulers 2: services/scheduler/shards.py)
+
+
+def schedulers_status(cluster: Cluster) -> list[dict]:
+    """Each scheduler of the model, with its leases ({worker id: fencing token}), from /status."""
+    return cluster.get_json("/status")[1]["models"][MODEL]["schedulers"]
+
+
+async def until_each_scheduler_leases_one_worker(cluster: Cluster) -> None:
+    def each_one() -> bool:
+        schedulers = schedulers_status(cluster)
+        return len(schedulers) == 2 and all(len(scheduler["leases"]) == 1 for scheduler in schedulers)
+    await until(each_one, "a worker leased by each of the two schedulers", 10)
+
+
+class PlanWatch:
+    """Every plan added to the workers' plan streams while it runs: (worker id, scheduler epoch)."""
+
+    def __init__(self, cluster: Cluster, worker_ids: list[str]) -> None:
+        import threading
+
+        from shared.plans import read_plan
+
+        self.client, self.read_plan = cluster.redis_client(), read_plan
+        self.last = {}
+        for worker_id in worker_ids:
+            tail = self.client.xrevrange(keys.plan_stream(worker_id), count=1)
+            self.last[keys.plan_stream(worker_id)] = tail[0][0] if tail else b"0-0"
+        self.plans: list[tuple[str, str]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stopping.is_set():
+            for stream, entries in self.client.xread(self.last, block=100) or ():
+                for entry_id, fields in entries:
+                    self.last[stream.decode()] = entry_id
+                    worker_id = stream.decode().removeprefix(keys.plan_stream(""))
+                    self.plans.append((worker_id, self.read_plan(fields[b"m"], worker_id).epoch))
+
+    def stop(self) -> list[tuple[str, str]]:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        self.client.close()
+        return self.plans
+
+
+def check_the_other_scheduler_took_over(cluster: Cluster, stopped: str, outputs: dict[str, Output]) -> None:
+    assert cluster.log_events(stopped, "admitted"), f"{stopped} had taken no request: nothing was taken over"
+    assert cluster.log_events("scheduler-2", "scheduler_taken_over"), "scheduler-2 took nothing over"
+    schedulers = [scheduler for scheduler in schedulers_status(cluster) if scheduler["leases"]]
+    assert len(schedulers) == 1 and len(schedulers[0]["leases"]) == 2, f"leases after the takeover: {schedulers}"
+    gap = longest_gap(outputs)
+    assert gap < 5.0, f"a stream waited {gap:.1f} s"
+
+
+def test_one_of_two_schedulers_sigkilled_mid_run_the_other_takes_its_workers_and_requests_token_exact(
+        baseline, executor):
+    with Cluster(**executor, workers=2, schedulers=2) as cluster:
+        asyncio.run(until_each_scheduler_leases_one_worker(cluster))
+        times: dict[str, float] = {}
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            times["killed"] = cluster.kill("scheduler-1")
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        check_same_as_baseline(outputs, baseline, "after one of two schedulers was killed")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        check_the_other_scheduler_took_over(cluster, "scheduler-1", outputs)
+        taken = cluster.log_events("scheduler-2", "scheduler_taken_over")[0][0]
+        report("one_of_two_schedulers_sigkill", takeover_after_kill_seconds=round(taken - times["killed"], 2),
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
+
+
+def test_one_of_two_schedulers_sigstopped_is_taken_over_and_after_sigcont_writes_no_plan_or_token(
+        baseline, executor):
+    with Cluster(**executor, workers=2, schedulers=2) as cluster:
+        asyncio.run(until_each_scheduler_leases_one_worker(cluster))
+        pid = cluster.services["scheduler-1"].process.pid
+        stopped_id = next(scheduler["scheduler_id"] for scheduler in schedulers_status(cluster)
+                          if scheduler["pid"] == pid)
+        times: dict[str, float] = {}
+        watch: list[PlanWatch] = []
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            cluster.kill("scheduler-1", signal.SIGSTOP)
+            times["stopped"] = time.monotonic()
+            await until(lambda: cluster.log_events("scheduler-2", "scheduler_taken_over"), "the takeover", 10)
+            times["taken"] = time.monotonic()
+            watch.append(PlanWatch(cluster, ["chaos-w1", "chaos-w2"]))
+            times["continued"] = time.time()
+            cluster.kill("scheduler-1", signal.SIGCONT)
+            await until(lambda: cluster.log_events("scheduler-1", "lease_lost scheduler_id"), "scheduler-1 finding it was taken "
+                        "over", 10)
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        plans = watch[0].stop()
+        stale = [plan for plan in plans if plan[1] == stopped_id]
+        assert not stale, f"the stalled scheduler sent {len(stale)} plans after it was taken over"
+        assert plans, "no plan was seen after the SIGCONT (the watch saw nothing)"
+        for name in ("worker-1", "worker-2"):  # no worker wrote (or tried to write) for a stale plan
+            assert not [line for when, line in cluster.log_events(name, "stale_write") if when >= times["continued"]]
+        check_same_as_baseline(outputs, baseline, "after one of two schedulers stalled")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        check_the_other_scheduler_took_over(cluster, "scheduler-1", outputs)
+        rejoined = [scheduler for scheduler in schedulers_status(cluster) if scheduler["pid"] == pid]
+        assert rejoined and rejoined[0]["scheduler_id"] != stopped_id, "the stalled scheduler did not join again"
+        report("one_of_two_schedulers_sigstop", takeover_after_stop_seconds=round(times["taken"] - times["stopped"], 2),
+               longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
+
+
 def check_pool_loaded_again_after_the_redis_restart(cluster: Cluster) -> None:
     """The scheduler saw Redis's new run_id once and loaded the pool again under a new epoch, and
     no worker's entry of an older plan landed after that (check_token_streams: no gap)."""

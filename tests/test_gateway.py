@@ -740,7 +740,8 @@ async def test_status_and_metrics(gateway, scheduler, redis_client):
     }  # fmt: skip
     assert worker["model"] == "smollm2-135m-instruct"
     assert body["models"]["smollm2-135m-instruct"] == {
-        "waiting": 2, "running": 3, "active_requests": 0, "workers": ["w1"], "scheduler": body["scheduler"]}
+        "waiting": 2, "running": 3, "active_requests": 0, "workers": ["w1"], "scheduler": body["scheduler"],
+        "schedulers": []}
 
     assert (await post_json(gateway, COMPLETIONS, GOOD_COMPLETION))[0] == 200
     assert (await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "temperature": 9}))[0] == 400

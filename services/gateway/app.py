@@ -406,6 +406,10 @@ async def status(request: web.Request) -> web.Response:
             "active_requests": view.active_requests,
             "workers": [worker.worker_id for worker in view.workers],
             "scheduler": view.scheduler.model_dump(mode="json") if view.scheduler else None,
+            # Several schedulers (--schedulers N): each one, its workers and their fencing tokens.
+            "schedulers": [{"scheduler_id": info.scheduler_id, "pid": info.pid, "waiting": info.waiting,
+                            "running": info.running, "iterations": info.iterations, "leases": info.leases}
+                           for info in view.schedulers if info.scheduler_id],
         }
         for model, view in views
     }

@@ -111,6 +111,9 @@ class GatewayMetrics:
             "iterserve_worker_busy_seconds", "Seconds each worker spent inside steps since it started (emulated "
             "workers: the profile's step times)", ["worker_id", "executor"], registry=registry
         )
+        self.scheduler_leases = Gauge(
+            "iterserve_scheduler_leased_workers", "Workers each of a model's several schedulers holds a lease on "
+            "(--schedulers N)", ["model", "scheduler_id"], registry=registry)
         self.redis_up = Gauge("iterserve_gateway_redis_up", "1 when Redis answered the last scrape", registry=registry)
         self.vllm = VllmMetrics(registry)
 
@@ -121,7 +124,7 @@ class GatewayMetrics:
             return
         for gauge in (self.waiting, self.running, self.live_workers, self.kv_blocks_free, self.kv_blocks_cached,
                       self.busy_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
-                      self.prefix_cache_mismatches, self.vllm.running, self.vllm.waiting, self.vllm.kv_cache_usage):
+                      self.prefix_cache_mismatches, self.scheduler_leases, self.vllm.running, self.vllm.waiting, self.vllm.kv_cache_usage):
             gauge.clear()
         for model, view in views:
             self.waiting.labels(model).set(view.scheduler.waiting if view.scheduler else 0)
@@ -132,6 +135,9 @@ class GatewayMetrics:
                 self.prefix_cache_hits.labels(model).set(view.scheduler.prefix_cache_hit_tokens)
                 self.prefix_cache_mismatches.labels(model).set(view.scheduler.prefix_cache_mismatches)
             self.vllm.observe_cluster(model, view)
+            for info in view.schedulers:
+                if info.scheduler_id:
+                    self.scheduler_leases.labels(model, info.scheduler_id).set(len(info.leases))
             for worker in view.workers:
                 self.kv_blocks_free.labels(worker.worker_id, worker.executor).set(worker.kv_blocks_free)
                 self.kv_blocks_cached.labels(worker.worker_id, worker.executor).set(worker.kv_blocks_cached)

@@ -62,7 +62,7 @@ class RequestState:
 
 @dataclass(frozen=True)
 class ClusterView:
-    """What the heartbeat keys say: the scheduler and every live worker."""
+    """What the heartbeat keys say: the scheduler (several: summed) and every live worker."""
 
     scheduler: SchedulerInfo | None
     scheduler_key_exists: bool
@@ -71,6 +71,31 @@ class ClusterView:
     registered_worker_ids: list[str]
     active_requests: int
     counters: dict[str, int] = field(default_factory=dict)  # the scheduler's lasting counters (ModelKeys.counters)
+    schedulers: list[SchedulerInfo] = field(default_factory=list)  # each one's heartbeat
+
+
+def summed_schedulers(infos: list[SchedulerInfo]) -> SchedulerInfo:
+    """Several schedulers of one model as one: the pool's counts and totals summed, the latest
+    times, every executor, every worker's blocks."""
+    first = infos[0]
+    summed = {name: sum(getattr(info, name) for info in infos) for name in (
+        "iterations", "waiting", "running", "waiting_tokens", "cpu_seconds", "round_trips", "plans",
+        "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_mismatches")}
+    phases: dict[str, float] = {}
+    for info in infos:
+        for phase, seconds in info.phase_cpu_seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+    return first.model_copy(update=summed | {
+        "heartbeat_at": max(info.heartbeat_at for info in infos),
+        "last_iteration_at": max(info.last_iteration_at for info in infos),
+        "started_at": min(info.started_at for info in infos),
+        "phase_cpu_seconds": phases,
+        "kv_blocks": {worker: blocks for info in infos for worker, blocks in info.kv_blocks.items()},
+        "executors": sorted({executor for info in infos for executor in info.executors}),
+        "cpus": sorted({cpu for info in infos for cpu in info.cpus}),
+        "leases": {worker: fence for info in infos for worker, fence in info.leases.items()},
+        "scheduler_id": "",
+    })
 
 
 class Store:
@@ -324,8 +349,8 @@ class Store:
         """One model's pool: its scheduler and workers."""
         async def read() -> ClusterView:
             redis = self.redis
-            scheduler_raw, members, active_requests, counters = await asyncio.gather(
-                redis.get(model_keys.scheduler_heartbeat),
+            (scheduler, schedulers), members, active_requests, counters = await asyncio.gather(
+                self._schedulers(model_keys),
                 redis.smembers(model_keys.workers),
                 redis.scard(model_keys.active_requests),
                 redis.hgetall(model_keys.counters),
@@ -342,34 +367,41 @@ class Store:
                     workers.append(decode(WorkerInfo, value))
                 except WireError as error:
                     log.warning("bad worker heartbeat worker=%s error=%s", worker_id, error)
-            scheduler = None
-            if scheduler_raw is not None:
-                try:
-                    scheduler = decode(SchedulerInfo, scheduler_raw)
-                except WireError as error:
-                    log.warning("bad scheduler heartbeat error=%s", error)
             lasting = {}
             for name, value in counters.items():
                 try:
                     lasting[name.decode()] = int(value)
                 except (UnicodeDecodeError, ValueError):
                     log.warning("bad scheduler counter %r=%r", name[:40], value[:40])
-            return ClusterView(scheduler, scheduler_raw is not None, workers, live, registered, active_requests,
-                               lasting)
+            return ClusterView(scheduler, bool(schedulers), workers, live, registered, active_requests,
+                               lasting, schedulers)
 
         return await self._call(read(), timeout)
 
     async def scheduler_info(self, model_keys: ModelKeys = keys.SINGLE_MODEL,
                              timeout: float = REDIS_TIMEOUT_SECONDS) -> SchedulerInfo | None:
         """A model's scheduler's last heartbeat, or None (no scheduler, or a heartbeat that does not decode)."""
-        raw = await self._call(self.redis.get(model_keys.scheduler_heartbeat), timeout)
-        if raw is None:
-            return None
-        try:
-            return decode(SchedulerInfo, raw)
-        except WireError as error:
-            log.warning("bad scheduler heartbeat error=%s", error)
-            return None
+        scheduler, _ = await self._call(self._schedulers(model_keys), timeout)
+        return scheduler
+
+    async def _schedulers(self, model_keys: ModelKeys) -> tuple[SchedulerInfo | None, list[SchedulerInfo]]:
+        """A model's scheduler's heartbeat, or those of its several schedulers (Settings.schedulers
+        > 1) summed into one (the pool's counts, for admission and /health), with each one's."""
+        raw_one, ids = await asyncio.gather(self.redis.get(model_keys.scheduler_heartbeat),
+                                            self.redis.smembers(model_keys.schedulers))
+        names = sorted(member.decode(errors="replace") for member in ids)
+        raws = ([raw_one] if raw_one is not None else []) + [
+            raw for raw in (await self.redis.mget([model_keys.scheduler_heartbeat_of(name) for name in names])
+                            if names else []) if raw is not None]
+        infos = []
+        for raw in raws:
+            try:
+                infos.append(decode(SchedulerInfo, raw))
+            except WireError as error:
+                log.warning("bad scheduler heartbeat error=%s", error)
+        if len(infos) <= 1:
+            return (infos[0] if infos else None), infos
+        return summed_schedulers(infos), infos
 
     async def ping(self, timeout: float) -> bool:
         try:

@@ -14,6 +14,7 @@ import time
 
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, RedisRestarted, bounded, text_of
+from services.scheduler.shards import ShardMembership
 from shared import keys
 from shared.messages import WorkerInfo
 from shared.wire import WireError, decode
@@ -45,16 +46,36 @@ return {listed, ids, values, run_id}
 
 
 class WorkerLiveness:
-    def __init__(self, link: RedisLink, policy: SchedulerPolicy, stall_seconds: float) -> None:
+    def __init__(self, link: RedisLink, policy: SchedulerPolicy, stall_seconds: float,
+                 shards: ShardMembership | None = None) -> None:
         self.link, self.policy = link, policy
         self.stall_seconds = stall_seconds
         self._started_at: dict[str, float] = {}
         self.executors: dict[str, str] = {}  # each live worker's (WorkerInfo.executor)
+        self.shards = shards  # one of several schedulers: its leases (it plans for the workers it holds)
+        self.held: set[str] = set()  # (then) the workers it holds
+        self.claimed: list[str] = []  # (then) requests it took at a poll, to load
+
+    async def _poll_shards(self) -> None:
+        """One of several schedulers: renew its leases, take over, take workers and requests."""
+        shard = await self.shards.poll(sorted(self.held))
+        if not self.link.run_id:
+            self.link.run_id = shard.run_id  # (its join: the server its leases name)
+        elif shard.run_id != self.link.run_id:
+            raise RedisRestarted(self.link.run_id, shard.run_id)
+        for worker_id in shard.lost_workers:  # (its lease ran out: another may hold it now)
+            self.held.discard(worker_id)
+            self.forget(worker_id, delete_keys=False)
+        self.held.update(shard.taken_workers)
+        self.claimed += shard.claimed_requests
 
     async def poll(self) -> None:
         """Raises RedisRestarted, before anything else, when Redis is not the server the pool was
-        loaded from (the scheduler then loads it again)."""
+        loaded from (the scheduler then loads it again); one of several schedulers raises LeaseLost
+        when its lease is gone."""
         redis = self.link.redis
+        if self.shards is not None:
+            await self._poll_shards()
         known = sorted(self.policy.worker_ids)
         listed, members, values, run_id = await bounded(
             redis.eval(LIVENESS_SCRIPT, 1, self.link.keys.workers, keys.worker_heartbeat(""), *known),
@@ -64,15 +85,19 @@ class WorkerLiveness:
         found = []  # (not listed, worker id, heartbeat)
         for position, (member, value) in enumerate(zip(members, values, strict=True)):
             try:
-                found.append((position >= listed, member.decode(), value))
+                worker_id = member.decode()
             except UnicodeDecodeError:
                 log.warning("malformed_worker_id member=%r", member[:80])
                 self.link.queue("srem", self.link.keys.workers, member)
+                continue
+            if self.shards is None or worker_id in self.held:  # (one of several: another's are not its)
+                found.append((position >= listed, worker_id, value))
         for unlisted, worker_id, value in sorted(found, key=lambda entry: entry[:2]):  # the listed first, by id
             if value is None:
                 if worker_id in self.policy.worker_ids:  # listed: it died; not listed: it left
                     log.warning("%s worker_id=%s", "worker_gone" if unlisted else "worker_dead", worker_id)
                 self.forget(worker_id)
+                self.held.discard(worker_id)  # (its lease runs out; it may come back under its id)
                 continue
             if unlisted:
                 log.info("worker_unlisted worker_id=%s", worker_id)  # alive: its heartbeat key is there
@@ -92,13 +117,15 @@ class WorkerLiveness:
             self.executors[worker_id] = info.executor
             self.policy.set_draining(worker_id, info.draining)
 
-    def forget(self, worker_id: str) -> None:
-        """A dead or departed worker: its requests wait again, its keys and per-worker state go."""
+    def forget(self, worker_id: str, delete_keys: bool = True) -> None:
+        """A dead or departed worker: its requests wait again, its keys and per-worker state go.
+        (A worker whose lease this scheduler lost lives on, another's: its keys stay.)"""
         self.policy.worker_down(worker_id)
         self._started_at.pop(worker_id, None)
         self.executors.pop(worker_id, None)
-        self.link.queue("srem", self.link.keys.workers, worker_id)
-        self.link.queue("delete", keys.plan_stream(worker_id))
+        if delete_keys:
+            self.link.queue("srem", self.link.keys.workers, worker_id)
+            self.link.queue("delete", keys.plan_stream(worker_id))
 
     def abandon_stalled_plans(self) -> None:
         now = time.time()

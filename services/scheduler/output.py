@@ -248,6 +248,8 @@ class RequestOutputs:
         self._write(request_id, "hset", keys.request_key(request_id),
                     mapping={"status": status_for(reason), "finish_reason": reason})
         self._write(request_id, "srem", self.link.keys.active_requests, request_id)
+        if self.link.scheduler_id:  # one of several: the request is nobody's now
+            self._write(request_id, "hdel", self.link.keys.request_owners, request_id)
         self._write(request_id, "expire", keys.request_key(request_id), ttl)
         self._write(request_id, "expire", keys.token_stream(request_id), ttl)
         self._outputs.pop(request_id, None)

@@ -71,6 +71,19 @@ class PoolLoader:
         log.info("pool_loaded epoch=%s active=%d waiting=%d redis_run_id=%s", epoch, len(active_ids),
                  self.policy.waiting_count, self.link.run_id)
 
+    async def load_shard_state(self, epoch: str) -> None:
+        """One of several schedulers joining: it owns nothing yet (its first poll takes its workers,
+        and the requests that no live scheduler owns: services/scheduler/shards.py); it reads the
+        shared input streams from their ends."""
+        pipe = self.link.redis.pipeline(transaction=False)
+        for stream in self.link.input_streams:
+            pipe.xrevrange(stream, count=1)
+        tails = await bounded(pipe.execute(), REDIS_SLACK_SECONDS)
+        for stream, tail in zip(self.link.input_streams, tails, strict=True):
+            if tail:
+                self.link.read_ids[stream] = text_of(tail[0][0])
+        log.info("scheduler_joining scheduler_id=%s", epoch)
+
     async def _delete_orphan_plan_streams(self, registered: set[bytes]) -> None:
         """Plan streams of workers that are no longer registered (gone while no scheduler ran)."""
         prefix = keys.plan_stream("")

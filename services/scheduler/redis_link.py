@@ -24,6 +24,7 @@ restarted scheduler rebuilds from the active set, not from them).
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -38,6 +39,7 @@ T = TypeVar("T")
 
 READ_COUNT = 512  # entries per stream per XREAD
 REDIS_SLACK_SECONDS = 10.0  # a Redis call may take this much longer than its own block time
+SHARED_STREAM_SECONDS = 120  # several schedulers: the shared input streams keep this much (all read them)
 TRIM_EVERY_ENTRIES = 256  # trim the input streams after this many entries read (or on the heartbeat)
 
 # XADD, server side, for each entry of msgpack columns [keys, ids, payloads]; an entry written before
@@ -143,13 +145,28 @@ def text_of(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class LeaseLost(Exception):
+    """One of several schedulers (services/scheduler/shards.py) no longer holds its lease (it
+    stalled, or was cut off, past its time to live; or it was taken over): what it held is, or will
+    be, taken over, so it drops everything and joins again under a new id. Raised before anything
+    it would write runs (the transaction WATCHes its fence) or anything it read is used."""
+
+
 class RedisLink:
     def __init__(self, redis: Any, on_write_failed: Callable[[Write, Exception], None],
-                 model_keys: keys.ModelKeys = keys.SINGLE_MODEL) -> None:
+                 model_keys: keys.ModelKeys = keys.SINGLE_MODEL, scheduler_id: str = "") -> None:
+        """scheduler_id: one of several schedulers of the model (Settings.schedulers > 1): it reads
+        its own result stream, its writes run only while no other took it over (each transaction
+        WATCHes its fence, read after the WATCH), and the shared input streams are
+        trimmed by age, not to what it has read (the others read them too)."""
         self.redis = redis
         self.on_write_failed = on_write_failed
         self.keys = model_keys  # the pool of the model this scheduler serves
-        self.input_streams = (model_keys.new_requests, model_keys.cancels, model_keys.results)
+        self.scheduler_id = scheduler_id
+        self.results = model_keys.results_of(scheduler_id) if scheduler_id else model_keys.results
+        self.fence_key = model_keys.scheduler_fence(scheduler_id) if scheduler_id else ""
+        self._armed_on: Any = None  # the exchange's connection (writer) whose WATCH of fence_key holds
+        self.input_streams = (model_keys.new_requests, model_keys.cancels, self.results)
         self.writes: list[Write] = []  # commands for the next round trip
         self.tokens = TokenColumns()  # its token entries (one EVAL, where the first TOKENS_MARK stands)
         self._tokens_marked = False  # writes holds a mark after the last round trip's snapshot
@@ -194,8 +211,15 @@ class RedisLink:
         return self._read_since_trim >= TRIM_EVERY_ENTRIES
 
     def queue_trims(self) -> None:
-        """Trim each input stream up to what this scheduler has read: nobody else reads them."""
+        """Trim each input stream up to what this scheduler has read: nobody else reads them. (One of
+        several: its result stream so; the shared ones to SHARED_STREAM_SECONDS of age.)"""
+        if self.scheduler_id:
+            oldest = f"{int((time.time() - SHARED_STREAM_SECONDS) * 1000)}-0"
+            for stream in self.input_streams[:2]:
+                self.queue("xtrim", stream, minid=oldest, approximate=True)
         for stream, read_up_to in self.read_ids.items():
+            if self.scheduler_id and stream != self.results:
+                continue
             if read_up_to != self._trimmed_ids[stream]:  # keeps that last entry: a restart starts after it
                 self.queue("xtrim", stream, minid=read_up_to, approximate=False)
                 self._trimmed_ids[stream] = read_up_to
@@ -245,17 +269,45 @@ class RedisLink:
             streams = self.read_ids
             block = () if block_ms is None else (b"BLOCK", str(block_ms))
             arguments.append(("XREAD", *block, b"COUNT", str(READ_COUNT), b"STREAMS", *streams, *streams.values()))
+        if self.fence_key:  # the next transaction runs only if no takeover writes the fence from here on
+            arguments += [("WATCH", self.fence_key), ("GET", self.fence_key)]
         return writes, commands, arguments
+
+    async def arm(self) -> None:
+        """WATCH the fence on the exchange's connection and read it: from here on a takeover (it
+        writes the fence) aborts the next transaction, and none had happened when the WATCH began.
+        Needed on every new connection (a WATCH lives on its connection), before its first write."""
+        replies = await bounded(self.exchange.send([("WATCH", self.fence_key), ("GET", self.fence_key)]),
+                                REDIS_SLACK_SECONDS)
+        self._check_fence(replies[-1])
+
+    def _check_fence(self, value: Any) -> None:
+        if value is not None:
+            self._armed_on = None
+            raise LeaseLost(f"scheduler {self.scheduler_id}: taken over ({text_of(value)})")
+        self._armed_on = self.exchange.connected_as
 
     async def round_trip(self, block_ms: int | None, read: bool = True) -> list:
         """Every queued write as one MULTI/EXEC (the token entries in one EVAL where the first of
         them stood: every write queued after a request's last token, its end and its expiries,
         still runs after it), then one XREAD of the input streams, all in one write to Redis."""
+        if self.fence_key and (self._armed_on is None or self._armed_on is not self.exchange.connected_as):
+            await self.arm()
         writes, commands, arguments = self.commands(block_ms, read)
         wait_seconds = (block_ms or 0) / 1000 + REDIS_SLACK_SECONDS
-        replies = await bounded(self.exchange.send(arguments), wait_seconds)
+        try:
+            replies = await bounded(self.exchange.send(arguments), wait_seconds)
+        except BaseException:
+            self._armed_on = None
+            raise
+        if self.fence_key:
+            *replies, _, fence = replies
+            self._check_fence(fence)  # (before anything read is used: a fenced scheduler acts on nothing)
         if commands:
             outcomes = replies[len(commands) + 1]
+            if outcomes is None and self.fence_key:  # EXEC aborted by the WATCH: nothing ran
+                self._armed_on = None
+                raise LeaseLost(f"scheduler {self.scheduler_id}: taken over (its transaction did not run)")
             if isinstance(outcomes, Exception):
                 first = next((reply for reply in replies[: len(commands) + 1] if isinstance(reply, Exception)),
                              outcomes)

@@ -39,8 +39,10 @@ from services.scheduler.liveness import WorkerLiveness
 from services.scheduler.output import RequestOutputs
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.recovery import LOAD_BATCH, PoolLoader
+from services.scheduler.shards import ShardMembership
 from services.scheduler.redis_link import (
     REDIS_SLACK_SECONDS,
+    LeaseLost,
     RedisLink,
     RedisRestarted,
     RedisWritesRefused,
@@ -67,6 +69,9 @@ log = logging.getLogger("iterserve.scheduler")
 # tokens proposed, proposals kept).
 COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "spec_drafts", "spec_draft_tokens",
             "spec_accepted_tokens")
+# One of several schedulers takes new requests while it holds a worker and fewer than this many wait
+# per worker it holds: the rest wait in Redis for whichever scheduler has room first.
+WAITING_PER_WORKER = 4
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
 PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
@@ -88,7 +93,11 @@ class SchedulerService:
         self.round_trips = 0
         self.plans = 0  # sent since the start (a plan of several steps is one)
         self._poll_interval = min(0.25, settings.heartbeat_seconds / 2)
-        self._begin(epoch or uuid.uuid4().hex)
+        self._begin(epoch or self._new_epoch())
+
+    def _new_epoch(self) -> str:
+        """A new epoch; one of several schedulers' says so (its workers answer it by its lease)."""
+        return (keys.SHARDED_EPOCH_PREFIX if self.settings.schedulers > 1 else "") + uuid.uuid4().hex
 
     def _begin(self, epoch: str) -> None:
         """Everything a scheduler knows of the pool, empty, under a new epoch: at start, and when
@@ -115,12 +124,14 @@ class SchedulerService:
             text_context=self.tokenizer.text_context if settings.worker_token_entries else None,
             speculative=parse_speculative_config(settings.speculative_config),
         )
+        sharded = settings.schedulers > 1  # one of several: its id is its epoch (services/scheduler/shards.py)
         self.link = RedisLink(self.redis, on_write_failed=self._write_failed,
-                              model_keys=keys.ModelKeys(settings.model_group))
+                              model_keys=keys.ModelKeys(settings.model_group), scheduler_id=epoch if sharded else "")
+        self.shards = ShardMembership(self.link, epoch, settings.scheduler_lease_ms) if sharded else None
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, self.holding,
                                       settings.request_ttl_seconds)
-        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds)
+        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds, self.shards)
         self.loader = PoolLoader(self.link, self.policy, self.outputs, settings.request_ttl_seconds, self._cancel)
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._loaded = False
@@ -143,12 +154,22 @@ class SchedulerService:
                 raise asyncio.CancelledError
             try:
                 if not self._loaded:
-                    await self.loader.load_state(self.epoch)
+                    if self.shards is None:
+                        await self.loader.load_state(self.epoch)
+                    else:
+                        await self.loader.load_shard_state(self.epoch)
                     self._loaded = True
                 await self.turn()
                 backoff = BACKOFF_START_SECONDS
+            except LeaseLost as lost:
+                epoch = self._new_epoch()
+                log.warning("lease_lost scheduler_id=%s new_scheduler_id=%s requests=%d error=%s", self.epoch, epoch,
+                            self.policy.waiting_count + self.policy.running_count, lost)
+                with contextlib.suppress(*RECONNECT_ERRORS):
+                    await self.link.exchange.close()
+                self._begin(epoch)
             except RedisRestarted as restart:
-                epoch = uuid.uuid4().hex
+                epoch = self._new_epoch()
                 log.warning("redis_restarted run_id=%s was=%s epoch=%s new_epoch=%s requests=%d", restart.run_id,
                             restart.was, self.epoch, epoch, self.policy.waiting_count + self.policy.running_count)
                 with contextlib.suppress(*RECONNECT_ERRORS):
@@ -171,15 +192,30 @@ class SchedulerService:
     async def _shutdown(self) -> None:
         """Best effort: write what is pending and take the heartbeat key down."""
         try:
-            self.link.queue("delete", self.link.keys.scheduler_heartbeat)
+            self.link.queue("delete", self._heartbeat_key)
+            if self.shards is not None:
+                self.shards.queue_release()  # the others take over at their next poll
             await bounded(self.link.round_trip(block_ms=None, read=False), REDIS_SLACK_SECONDS)
-        except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError, SchedulerStateError) as error:
+        except (*RECONNECT_ERRORS, asyncio.TimeoutError, RedisError, SchedulerStateError, LeaseLost) as error:
             log.warning("shutdown_write_failed error=%r", error)
         log.info("scheduler_stopped epoch=%s iterations=%d", self.epoch, self.iterations)
 
+    @property
+    def _heartbeat_key(self) -> str:
+        model_keys = self.link.keys
+        return model_keys.scheduler_heartbeat if self.shards is None else model_keys.scheduler_heartbeat_of(self.epoch)
+
+    def _room(self) -> int:
+        """How many new requests to load now: all there are for the one scheduler; one of several
+        takes them while it holds a worker and few wait (WAITING_PER_WORKER)."""
+        if self.shards is None:
+            return LOAD_BATCH
+        workers = len(self.policy.worker_ids)
+        return max(0, min(LOAD_BATCH, WAITING_PER_WORKER * workers - self.policy.waiting_count))
+
     async def turn(self) -> None:
         await self.schedule()
-        if self._pending_new:
+        if (self._pending_new and self._room()) or self.liveness.claimed:
             block_ms = None  # more requests to load: do not wait
         else:
             until_timer = min(self._next_poll, self._next_heartbeat) - time.monotonic()
@@ -200,10 +236,17 @@ class SchedulerService:
             self._next_poll = now + self._poll_interval
         self.liveness.abandon_stalled_plans()
         self.phase_cpu["timers"] += time.process_time() - started
-        if self._pending_new:
-            batch = self._pending_new[:LOAD_BATCH]
+        if self.liveness.claimed:  # one of several: requests it took over, or found without a live owner
+            batch = self.liveness.claimed[:LOAD_BATCH]
             await self.loader.load_requests(batch)
+            del self.liveness.claimed[: len(batch)]
+        room = self._room()
+        if self._pending_new and room:
+            batch = self._pending_new[:room]
             del self._pending_new[: len(batch)]
+            if self.shards is not None:
+                batch = await self.shards.claim(batch)  # (those another one took are theirs)
+            await self.loader.load_requests(batch)
         self._dispatch()
         started = time.process_time()
         if now >= self._next_heartbeat or self._published_counts != self._counts():
@@ -276,8 +319,8 @@ class SchedulerService:
                 log.warning("malformed_cancel entry=%s", text_of(entry_id))
                 continue
             self._cancel(request_id)
-        for entry_id, fields in by_stream.get(self.link.keys.results, ()):
-            self.link.note_read(self.link.keys.results, entry_id)
+        for entry_id, fields in by_stream.get(self.link.results, ()):
+            self.link.note_read(self.link.results, entry_id)
             started = time.process_time()
             try:
                 worker_id, raw = read_result(fields.get(b"m", b""))
@@ -373,8 +416,10 @@ class SchedulerService:
             prefix_cache_mismatches=self.policy.prefix_cache_mismatches,
             kv_blocks=self.policy.kv_blocks_by_worker(), cpus=sorted(os.sched_getaffinity(0)),
             executors=list(self._executors()),
+            scheduler_id=self.epoch if self.shards is not None else "",
+            leases=dict(self.shards.fences) if self.shards is not None else {},
         )
-        self.link.queue_first(Write("set", (self.link.keys.scheduler_heartbeat, encode(info)),
+        self.link.queue_first(Write("set", (self._heartbeat_key, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
         # The counters that outlive this process (vLLM's prefix-cache counters, read by /metrics):
         # what was counted since the last heartbeat, added to Redis's totals.

@@ -455,7 +455,14 @@ class Worker:
         results = [answer.result for answer in answers]
         plan = answers[-1].plan
         # (detokenized here, in the event loop, while the step thread runs the next step)
-        if writes or self.token_writer.has_fields:
+        if plan.scheduler_epoch.startswith(keys.SHARDED_EPOCH_PREFIX):
+            # One of several schedulers (services/scheduler/shards.py): its own result stream, and
+            # nothing lands unless it holds this worker's lease now (a scheduler taken over, or one
+            # whose lease ran out, is not answered: its plans were the last it sent this worker).
+            commands = [("EVAL", WRITE_SCRIPT, 2, self.keys.results_of(plan.scheduler_epoch),
+                         keys.worker_lease(self.worker_id), self.token_writer.entries(writes), results[0],
+                         RESULTS_KEPT, plan.scheduler_epoch, *results[1:])]
+        elif writes or self.token_writer.has_fields:
             commands = [("EVAL", WRITE_SCRIPT, 2, self.keys.results, self.keys.incarnation,
                          self.token_writer.entries(writes), results[0], RESULTS_KEPT, plan.scheduler_epoch,
                          *results[1:])]

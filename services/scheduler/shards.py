@@ -1,0 +1,209 @@
+"""Several schedulers per model (Settings.schedulers > 1): each leases a shard of the model's
+workers and owns the requests it took, and the others take both over when it dies or stalls.
+
+Keys (shared/keys.py, ModelKeys): each scheduler's id is its epoch (a new one at every start and
+every rejoin). It is listed in `schedulers` and holds `scheduler_lease(id)` = its id, with a time to
+live (Settings.scheduler_lease_ms) that every poll renews. It holds each of its workers by
+`worker_lease(worker)` = "ID RUN_ID", renewed likewise, the value a worker's writes are checked
+against (services/worker/token_writer.py): no entry or result of a plan lands unless its scheduler
+holds that worker's lease now. `request_owners` maps each request it took to its id.
+
+One script a poll (SHARD_SCRIPT), atomic: renew this scheduler's leases; take over every listed
+scheduler whose lease no longer holds its id (its fence set to "taken" for a day, which aborts its
+next transaction: RedisLink WATCHes the fence, which nothing else writes, as a renewal writes the
+lease; its worker leases deleted; its requests reassigned to this one);
+take free live workers while this scheduler holds no more than the fewest any live one holds (the
+scheduler with the most room takes a new worker); at a join, and every SWEEP_SECONDS, take the active
+requests that no live scheduler owns. New requests are taken by CLAIM_SCRIPT, only while this
+scheduler's lease holds (a stalled scheduler that wakes takes nothing).
+
+A scheduler that finds its own lease gone (LeaseLost) drops everything it knows and joins again
+under a new id: what it held was, or will be, taken over.
+"""
+
+import logging
+import time
+from typing import NamedTuple
+
+from services.scheduler.redis_link import REDIS_SLACK_SECONDS, LeaseLost, RedisLink, bounded, text_of
+from shared import keys
+
+log = logging.getLogger("iterserve.scheduler")
+
+SWEEP_SECONDS = 5.0  # how often a scheduler looks for active requests no live scheduler owns
+
+# ARGV: 1 this scheduler's id, 2 lease ms, 3 "1" at its join, 4 "1" to sweep unowned requests,
+# 5-15 key names (below), 16.. the workers it holds. Reply: {status, run_id, lost workers, taken
+# workers, claimed requests, taken-over schedulers, {worker, fence} of each held worker}.
+SHARD_SCRIPT = f"""
+local run_id = {keys.REDIS_RUN_ID_LUA}
+""" + """local me, ttl, join, sweep = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
+local schedulers, lease_prefix, heartbeat_prefix, results_prefix, owners = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local active, workers, worker_heartbeat_prefix, worker_lease_prefix, changes = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]
+local fence_prefix = ARGV[15]
+local my_lease = lease_prefix .. me
+if join then
+  if not redis.call('SET', my_lease, me, 'NX', 'PX', ttl) then return {'LOST', run_id} end
+  redis.call('SADD', schedulers, me)
+elseif redis.call('GET', my_lease) ~= me then
+  return {'LOST', run_id}
+else
+  redis.call('PEXPIRE', my_lease, ttl)
+end
+local value = me .. ' ' .. run_id
+local lost, held = {}, {}
+for i = 16, #ARGV do
+  local key = worker_lease_prefix .. ARGV[i]
+  if redis.call('GET', key) == value then
+    redis.call('PEXPIRE', key, ttl)
+    held[ARGV[i]] = true
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+local live, dead, gone = {}, {}, {}
+for _, id in ipairs(redis.call('SMEMBERS', schedulers)) do
+  if id == me or redis.call('GET', lease_prefix .. id) == id then
+    live[id] = 0
+  else
+    dead[#dead + 1] = id
+    gone[id] = true
+    redis.call('SET', fence_prefix .. id, 'taken', 'PX', 86400000)
+    redis.call('DEL', lease_prefix .. id)
+    redis.call('SREM', schedulers, id)
+    redis.call('DEL', results_prefix .. id, heartbeat_prefix .. id)
+  end
+end
+local free = {}
+for _, worker in ipairs(redis.call('SMEMBERS', workers)) do
+  local key = worker_lease_prefix .. worker
+  local lease = redis.call('GET', key)
+  local owner = lease and string.match(lease, '^(%S+) ')
+  if lease and owner and live[owner] and lease == owner .. ' ' .. run_id then
+    live[owner] = live[owner] + 1
+  elseif redis.call('EXISTS', worker_heartbeat_prefix .. worker) == 1 then
+    if lease then redis.call('DEL', key) end
+    free[#free + 1] = worker
+  end
+end
+table.sort(free)
+local fewest = nil
+for id, count in pairs(live) do
+  if id ~= me and (fewest == nil or count < fewest) then fewest = count end
+end
+local taken = {}
+for _, worker in ipairs(free) do
+  if fewest ~= nil and live[me] > fewest then break end
+  redis.call('SET', worker_lease_prefix .. worker, value, 'PX', ttl)
+  redis.call('HINCRBY', changes, worker, 1)
+  live[me] = live[me] + 1
+  held[worker] = true
+  taken[#taken + 1] = worker
+end
+local claimed = {}
+if #dead > 0 or sweep then
+  for _, id in ipairs(redis.call('SMEMBERS', active)) do
+    local owner = redis.call('HGET', owners, id)
+    if (owner and gone[owner]) or (sweep and not (owner and live[owner])) then
+      redis.call('HSET', owners, id, me)
+      claimed[#claimed + 1] = id
+    end
+  end
+end
+if sweep then
+  local entries = redis.call('HGETALL', owners)
+  for i = 1, #entries, 2 do
+    if redis.call('SISMEMBER', active, entries[i]) == 0 then redis.call('HDEL', owners, entries[i]) end
+  end
+end
+local fences = {}
+for worker in pairs(held) do
+  fences[#fences + 1] = worker
+  fences[#fences + 1] = redis.call('HGET', changes, worker) or '0'
+end
+return {'OK', run_id, lost, taken, claimed, dead, fences}
+"""
+
+# ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4.. request ids. Reply: the ids
+# this scheduler owns now (it took them, or had), or {'LOST'} when its lease no longer holds.
+CLAIM_SCRIPT = """
+if redis.call('GET', ARGV[2]) ~= ARGV[1] then return {'LOST'} end
+local mine = {}
+for i = 4, #ARGV do
+  if redis.call('HSETNX', ARGV[3], ARGV[i], ARGV[1]) == 1 or redis.call('HGET', ARGV[3], ARGV[i]) == ARGV[1] then
+    mine[#mine + 1] = ARGV[i]
+  end
+end
+return mine
+"""
+
+
+class ShardPoll(NamedTuple):
+    run_id: str
+    lost_workers: list[str]
+    taken_workers: list[str]
+    claimed_requests: list[str]
+    taken_over: list[str]  # schedulers this poll took over
+    fences: dict[str, int]  # each held worker's fencing token (how many times its lease changed owner)
+
+
+class ShardMembership:
+    """One scheduler's leases (see the module's docstring)."""
+
+    def __init__(self, link: RedisLink, scheduler_id: str, lease_ms: int) -> None:
+        self.link, self.scheduler_id, self.lease_ms = link, scheduler_id, lease_ms
+        self.model_keys = link.keys
+        self.lease_key = self.model_keys.scheduler_lease(scheduler_id)
+        self.joined = False
+        self.fences: dict[str, int] = {}
+        self._next_sweep = 0.0
+
+    def _key_names(self) -> tuple[str, ...]:
+        model_keys = self.model_keys
+        return (model_keys.schedulers, model_keys.scheduler_lease(""), model_keys.scheduler_heartbeat_of(""),
+                model_keys.results_of(""), model_keys.request_owners, model_keys.active_requests,
+                model_keys.workers, keys.worker_heartbeat(""), keys.worker_lease(""), model_keys.lease_changes,
+                model_keys.scheduler_fence(""))
+
+    async def poll(self, held_workers: list[str]) -> ShardPoll:
+        """Renew, take over, take free workers (and, at a join or every SWEEP_SECONDS, unowned
+        requests). Raises LeaseLost."""
+        now = time.monotonic()
+        sweep = not self.joined or now >= self._next_sweep
+        reply = await bounded(self.link.redis.eval(
+            SHARD_SCRIPT, 0, self.scheduler_id, self.lease_ms, "0" if self.joined else "1", "1" if sweep else "0",
+            *self._key_names(), *held_workers), REDIS_SLACK_SECONDS)
+        status = text_of(reply[0])
+        if status != "OK":
+            raise LeaseLost(f"scheduler {self.scheduler_id}: its lease is gone")
+        self.joined = True
+        if sweep:
+            self._next_sweep = now + SWEEP_SECONDS
+        fences = reply[6]
+        self.fences = {text_of(fences[i]): int(fences[i + 1]) for i in range(0, len(fences), 2)}
+        poll = ShardPoll(text_of(reply[1]), [text_of(w) for w in reply[2]], [text_of(w) for w in reply[3]],
+                         [text_of(r) for r in reply[4]], [text_of(s) for s in reply[5]], self.fences)
+        for scheduler_id in poll.taken_over:
+            log.warning("scheduler_taken_over scheduler_id=%s by=%s requests=%d", scheduler_id, self.scheduler_id,
+                        len(poll.claimed_requests))
+        for worker_id in poll.taken_workers:
+            log.info("worker_leased worker_id=%s scheduler_id=%s fence=%d", worker_id, self.scheduler_id,
+                     self.fences.get(worker_id, 0))
+        for worker_id in poll.lost_workers:
+            log.warning("worker_lease_lost worker_id=%s scheduler_id=%s", worker_id, self.scheduler_id)
+        return poll
+
+    async def claim(self, request_ids: list[str]) -> list[str]:
+        """The new requests this scheduler takes (HSETNX: another may have taken some first).
+        Raises LeaseLost."""
+        reply = await bounded(self.link.redis.eval(
+            CLAIM_SCRIPT, 0, self.scheduler_id, self.lease_key, self.model_keys.request_owners, *request_ids),
+            REDIS_SLACK_SECONDS)
+        if reply and text_of(reply[0]) == "LOST":
+            raise LeaseLost(f"scheduler {self.scheduler_id}: its lease is gone")
+        return [text_of(request_id) for request_id in reply]
+
+    def queue_release(self) -> None:
+        """A scheduler that stops: its lease goes at once, so the others take over at their next
+        poll rather than after its time to live."""
+        self.link.queue("delete", self.lease_key)

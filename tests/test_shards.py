@@ -1,0 +1,116 @@
+"""Several schedulers per model, their leases and fences, on a real Redis (services/scheduler/shards.py,
+RedisLink's WATCH). The system scenarios (a scheduler SIGKILLed or SIGSTOPped with real workers)
+are in tests/test_chaos.py; the CLI's refusals at the end."""
+
+import subprocess
+import sys
+
+import pytest
+
+from services.scheduler.redis_link import LeaseLost, RedisLink
+from services.scheduler.shards import ShardMembership
+from shared import keys
+
+LEASE_MS = 2000
+MODEL_KEYS = keys.SINGLE_MODEL
+
+
+def link_of(redis_client, scheduler_id: str) -> RedisLink:
+    return RedisLink(redis_client, on_write_failed=lambda write, error: None, scheduler_id=scheduler_id)
+
+
+async def register_workers(redis_client, *worker_ids: str) -> None:
+    for worker_id in worker_ids:
+        await redis_client.sadd(MODEL_KEYS.workers, worker_id)
+        await redis_client.set(keys.worker_heartbeat(worker_id), b"alive", px=60_000)
+
+
+async def test_the_round_trip_of_a_scheduler_taken_over_writes_nothing(redis_client):
+    link = link_of(redis_client, "a")
+    await link.round_trip(block_ms=None)  # armed: the fence WATCHed on its connection
+    link.queue("set", "written-before", "1")
+    await link.round_trip(block_ms=None)
+    assert await redis_client.get("written-before") == b"1"
+    link.queue("set", "written-after", "1")
+    link.queue("xadd", keys.plan_stream("w1"), {"m": b"plan"})
+    await redis_client.set(MODEL_KEYS.scheduler_fence("a"), "taken")  # another scheduler took it over
+    with pytest.raises(LeaseLost):
+        await link.round_trip(block_ms=None)
+    assert await redis_client.get("written-after") is None
+    assert await redis_client.xlen(keys.plan_stream("w1")) == 0
+    # A new connection (a reconnect loses the WATCH) reads the fence before it writes anything.
+    await link.exchange.close()
+    with pytest.raises(LeaseLost):
+        await link.round_trip(block_ms=None)
+    assert await redis_client.get("written-after") is None
+    await link.exchange.close()
+
+
+async def test_renewing_the_lease_does_not_fence_the_scheduler_itself(redis_client):
+    link = link_of(redis_client, "a")
+    shards = ShardMembership(link, "a", LEASE_MS)
+    await shards.poll([])
+    for round_trip in range(3):
+        await link.round_trip(block_ms=None)
+        await shards.poll([])  # (renews the lease from another connection, between two transactions)
+        link.queue("set", f"write-{round_trip}", "1")
+    await link.round_trip(block_ms=None)
+    assert [await redis_client.get(f"write-{index}") for index in range(3)] == [b"1"] * 3
+    await link.exchange.close()
+
+
+async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests_are_taken_over(redis_client):
+    a, b = (ShardMembership(link_of(redis_client, name), name, LEASE_MS) for name in ("a", "b"))
+    await a.poll([])
+    await b.poll([])
+    await register_workers(redis_client, "w1", "w2", "w3")
+    taken_a = (await a.poll([])).taken_workers
+    taken_b = (await b.poll([])).taken_workers
+    taken_a += (await a.poll(taken_a)).taken_workers
+    assert sorted(taken_a + taken_b) == ["w1", "w2", "w3"] and {len(taken_a), len(taken_b)} == {1, 2}
+    run_id = (await a.poll(taken_a)).run_id
+    for worker_id in taken_b:  # the value a worker's writes are checked against
+        assert await redis_client.get(keys.worker_lease(worker_id)) == f"b {run_id}".encode()
+    # b takes two requests; a request nobody took waits for whoever has room
+    await redis_client.sadd(MODEL_KEYS.active_requests, "r1", "r2", "r3")
+    assert sorted(await b.claim(["r1", "r2"])) == ["r1", "r2"]
+    assert await a.claim(["r1"]) == []  # b's
+    # b dies: its lease runs out (deleted here, as the time to live would)
+    await redis_client.delete(MODEL_KEYS.scheduler_lease("b"))
+    poll = await a.poll(taken_a)
+    assert poll.taken_over == ["b"]
+    assert sorted(poll.claimed_requests) == ["r1", "r2"]
+    assert sorted(poll.taken_workers) == sorted(taken_b)
+    assert poll.fences[taken_b[0]] == 2  # its second owner: the fencing token grew
+    assert await redis_client.get(MODEL_KEYS.scheduler_fence("b")) == b"taken"
+    assert await redis_client.smembers(MODEL_KEYS.schedulers) == {b"a"}
+    # b wakes: it finds itself taken over, and takes nothing
+    with pytest.raises(LeaseLost):
+        await b.poll(taken_b)
+    with pytest.raises(LeaseLost):
+        await b.claim(["r3"])
+    assert await redis_client.hget(MODEL_KEYS.request_owners, "r3") is None
+    # r3, owned by nobody, is taken at a's next sweep
+    a._next_sweep = 0.0
+    assert (await a.poll(sorted(taken_a + taken_b))).claimed_requests == ["r3"]
+
+
+async def test_a_worker_whose_lease_is_lost_is_reported(redis_client):
+    a = ShardMembership(link_of(redis_client, "a"), "a", LEASE_MS)
+    await a.poll([])
+    await register_workers(redis_client, "w1")
+    assert (await a.poll([])).taken_workers == ["w1"]
+    await redis_client.set(keys.worker_lease("w1"), "someone-else x")
+    assert (await a.poll(["w1"])).lost_workers == ["w1"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--schedulers", "0"], "schedulers"),
+    (["--schedulers", "two"], "--schedulers"),
+    (["--schedulers", "2", "--scheduler-cpus", "0"], "each scheduler gets its own CPUs"),
+    (["--schedulers", "2", "--policy", "request"], "needs the iteration policy"),
+])
+def test_a_bad_schedulers_setting_is_refused_at_start(arguments, message):
+    done = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", *arguments], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr[-500:])
