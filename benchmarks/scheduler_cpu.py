@@ -23,6 +23,14 @@ run: what the time between results costs by itself (inside the system a worker-i
 the one before after the step time over the workers). It sleeps, or with --spin runs a loop that
 touches almost no memory, to tell whether it is the idle core that costs or the time passing.
 
+--schedulers N runs N of these at once, each a process alone on a CPU of its own and each one of
+several schedulers (its round trips carry the lease fence: WATCH and GET, services/scheduler/shards.py),
+then one alone the same way, and reports the worker-iterations per second of wall time they serve
+together against the one: what N schedulers of a model serve on N cores, their workers' answers made
+up. (Redis's own work per worker-iteration is not in it: docs/scaling.md gives that model.)
+
+    .venv/bin/python benchmarks/scheduler_cpu.py --schedulers 2 [--batch 64] [--workers 2]
+
 --round-trips times the one part left out, against a private redis-server: the round trip of a
 worker-iteration's writes at batch 64 (its plan, 64 token entries, its iteration record, the
 heartbeat) and the XREAD, sent by RedisLink.round_trip and, alternating with it, the same commands
@@ -81,7 +89,7 @@ def token_for(seed: int, output_index: int) -> int:
 
 class Harness:
     def __init__(self, batch: int, workers: int, depth: int, stop: str | None, logprobs: bool,
-                 worker_entries: bool = True, steps: int = 1) -> None:
+                 worker_entries: bool = True, steps: int = 1, sharded: bool = False) -> None:
         self.tokenizer = Tokenizer.load()
         settings = Settings()  # the defaults `iterserve up` runs with (prefix caching, cache-aware placement)
         self.policy = SchedulerPolicy(
@@ -91,7 +99,8 @@ class Harness:
             placement_threshold=settings.placement_threshold, cache_salt=settings.model,
             text_context=self.tokenizer.text_context if worker_entries else None)
         # Its commands are built by a redis-py client that never connects.
-        self.link = RedisLink(redis.asyncio.Redis(), on_write_failed=lambda write, error: None)
+        self.link = RedisLink(redis.asyncio.Redis(), on_write_failed=lambda write, error: None,
+                              scheduler_id=keys.SHARDED_EPOCH_PREFIX + "bench" if sharded else "")
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, ResultHolding(False), 3600)
         self.worker_ids = [f"w{index}" for index in range(workers)]
         self.readers = {worker_id: PlanReader() for worker_id in self.worker_ids}
@@ -313,8 +322,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spin", action="store_true", help="the --idle-ms pause spins instead of sleeping")
     parser.add_argument("--scheduler-token-entries", action="store_true",
                         help="the scheduler writes every token entry (as `iterserve up --scheduler-token-entries`)")
+    parser.add_argument("--schedulers", type=int, default=0,
+                        help="this many at once, each alone on a CPU, against one alone: worker-iterations per second")
+    parser.add_argument("--sharded", action="store_true", help="one of several schedulers (the lease fence)")
+    parser.add_argument("--cpu", type=int, default=-1, help="run on this CPU alone")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.cpu >= 0:
+        import os
+
+        os.sched_setaffinity(0, {args.cpu})
+    if args.schedulers:
+        side_by_side(args)
+        return
     if args.spin and not args.idle_ms:
         parser.error("--spin is how the --idle-ms pause is spent: give --idle-ms too")
     if args.round_trips:
@@ -323,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
             args.batch, ", ".join(f"{way} {value:.0f} us" for way, value in timings.items())))
         return
     harness = Harness(args.batch, args.workers, args.depth, args.stop, args.logprobs,
-                      worker_entries=not args.scheduler_token_entries, steps=args.steps)
+                      worker_entries=not args.scheduler_token_entries, steps=args.steps, sharded=args.sharded)
     if args.evict_caches:
         harness.evict = np.ones(int(args.evict_caches * 2**20) // 8)
     harness.idle_seconds, harness.spin = args.idle_ms / 1000, args.spin
@@ -331,13 +351,16 @@ def main(argv: list[str] | None = None) -> None:
     harness.seconds = dict.fromkeys(PHASES, 0.0)
     harness.worker_seconds = 0.0
     harness.iterations = harness.batch_sum = 0
+    wall_started = time.perf_counter()
     harness.run(args.iterations)
+    wall_seconds = time.perf_counter() - wall_started
     if harness.policy.prefix_cache_mismatches:  # the fake workers' digests are the plans' own: never
         raise SystemExit(f"{harness.policy.prefix_cache_mismatches} prefix-cache digest mismatches: the run is void")
     per_iteration = {phase: 1e6 * seconds / harness.iterations for phase, seconds in harness.seconds.items()}
     report = {"batch": harness.batch_sum / harness.iterations, "iterations": harness.iterations,
               "us_per_iteration": sum(per_iteration.values()), "phases_us": per_iteration,
-              "worker_codec_us": 1e6 * harness.worker_seconds / harness.iterations}
+              "worker_codec_us": 1e6 * harness.worker_seconds / harness.iterations,
+              "scheduler_us_per_iteration_wall": 1e6 * (wall_seconds - harness.worker_seconds) / harness.iterations}
     if args.json:
         print(json.dumps(report))
         return
@@ -346,6 +369,35 @@ def main(argv: list[str] | None = None) -> None:
     print("  " + "  ".join(f"{phase} {value:.0f}" for phase, value in per_iteration.items()))
     print(f"the worker's side (not the scheduler's): plan decode, result encode and token entries "
           f"{report['worker_codec_us']:.0f} us")
+
+
+def side_by_side(args) -> None:
+    """--schedulers N: N harnesses at once, each one of several schedulers alone on its CPU, then one
+    alone the same way (alternating, twice each); each harness's rate counts its own code only (the made-up
+    workers' side, timed, is taken out of its wall time)."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < args.schedulers:
+        raise SystemExit(f"--schedulers {args.schedulers} needs as many CPUs; this process may use {cpus}")
+    command = [sys.executable, __file__, "--json", "--sharded", "--batch", str(args.batch), "--workers",
+               str(args.workers), "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+               "--depth", str(args.depth), "--steps", str(args.steps)]
+
+    def rate(count: int) -> float:
+        processes = [subprocess.Popen(command + ["--cpu", str(cpus[index])], stdout=subprocess.PIPE, text=True)
+                     for index in range(count)]
+        reports = [json.loads(process.communicate(timeout=600)[0]) for process in processes]
+        return sum(1e6 / report["scheduler_us_per_iteration_wall"] for report in reports)
+
+    rates: dict[int, list[float]] = {1: [], args.schedulers: []}
+    for _ in range(2):
+        for count in (args.schedulers, 1):
+            rates[count].append(rate(count))
+    one, several = max(rates[1]), max(rates[args.schedulers])
+    print(f"worker-iterations per second at batch {args.batch} ({args.workers} made-up workers each), best of 2: "
+          f"1 scheduler {one:.0f}, {args.schedulers} schedulers {several:.0f}: {several / one:.2f}x "
+          f"(runs: {rates})")
 
 
 if __name__ == "__main__":

@@ -300,6 +300,9 @@ class SchedulerInfo(Frozen):
     # leases with each one's fencing token (how many times that worker's lease changed owner).
     scheduler_id: str = ""
     leases: dict[str, int] = {}
+    # (then) active requests no scheduler has taken yet, waiting in Redis for one with room: counted
+    # once, beside every scheduler's own waiting ones, where the gateway sums them (admission, /status).
+    unclaimed: int = 0
 
 
 class IterationRecord(Frozen):

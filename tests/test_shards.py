@@ -90,6 +90,7 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
     with pytest.raises(LeaseLost):
         await b.claim(["r3"])
     assert await redis_client.hget(MODEL_KEYS.request_owners, "r3") is None
+    assert (await a.poll(sorted(taken_a + taken_b))).unclaimed == 1  # r3 waits in Redis
     # r3, owned by nobody, is taken at a's next sweep
     a._next_sweep = 0.0
     assert (await a.poll(sorted(taken_a + taken_b))).claimed_requests == ["r3"]
@@ -102,6 +103,20 @@ async def test_a_worker_whose_lease_is_lost_is_reported(redis_client):
     assert (await a.poll([])).taken_workers == ["w1"]
     await redis_client.set(keys.worker_lease("w1"), "someone-else x")
     assert (await a.poll(["w1"])).lost_workers == ["w1"]
+
+
+def test_the_gateway_sums_several_schedulers_and_counts_the_requests_none_took_as_waiting():
+    from services.gateway.store import summed_schedulers
+    from shared.messages import SchedulerInfo
+
+    def info(scheduler_id: str, waiting: int, running: int, leases: dict[str, int]) -> SchedulerInfo:
+        return SchedulerInfo(pid=1, policy="iteration", started_at=1.0, heartbeat_at=2.0, last_iteration_at=0.0,
+                             iterations=10, waiting=waiting, running=running, scheduler_id=scheduler_id,
+                             leases=leases, unclaimed=3, executors=["engine"])
+
+    summed = summed_schedulers([info("a", 2, 5, {"w1": 1}), info("b", 1, 4, {"w2": 2})])
+    assert (summed.waiting, summed.running, summed.iterations) == (2 + 1 + 3, 9, 20)
+    assert summed.leases == {"w1": 1, "w2": 2} and summed.executors == ["engine"]
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -74,6 +74,7 @@ class Sizes:
     scheduler_plan_ms: float = 0.0  # with scheduler_steps: plans as long as this (0, the system's default: off)
     scheduler_token_entries: bool = False  # the scheduler writes every token entry (not the system's default)
     scheduler_cpus: str = ""  # the scheduler on these CPUs alone, kept from idling (default: no pinning)
+    schedulers: int = 1  # schedulers of the model, each leasing a shard of the fleet (--schedulers)
     http_profile: str = "h100-llama3-8b"
     http_workers: int = 4
     http_clients: int = 16
@@ -204,7 +205,8 @@ def _server(profile: str, workers: int, sizes: Sizes) -> ServerProcess:
                                      *(["--scheduler-plan-ms", f"{sizes.scheduler_plan_ms:g}"]
                                        if sizes.scheduler_plan_ms else []),
                                      *(["--scheduler-token-entries"] if sizes.scheduler_token_entries else []),
-                                     *(["--scheduler-cpus", sizes.scheduler_cpus] if sizes.scheduler_cpus else [])),
+                                     *(["--scheduler-cpus", sizes.scheduler_cpus] if sizes.scheduler_cpus else []),
+                                     "--schedulers", str(sizes.schedulers)),
                          env={"ITERSERVE_REQUEST_TTL_SECONDS": "30"})
 
 
@@ -411,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the scheduler writes every token entry (default: the workers write most)")
     parser.add_argument("--scheduler-cpus",
                         help="the scheduler alone on these CPUs, kept from idling; the rest on the others")
+    parser.add_argument("--schedulers", type=int, help="schedulers of the model, each leasing a shard (default 1)")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, or .../quick)")
@@ -435,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["scheduler_token_entries"] = True
     if args.scheduler_cpus:
         overrides["scheduler_cpus"] = args.scheduler_cpus
+    if args.schedulers:
+        overrides["schedulers"] = args.schedulers
     if overrides:
         sizes = Sizes(**{**asdict(sizes), **overrides})
     out_dir = (args.out or (RESULTS / "quick" if args.quick else RESULTS)).resolve()

@@ -85,6 +85,8 @@ def summed_schedulers(infos: list[SchedulerInfo]) -> SchedulerInfo:
     for info in infos:
         for phase, seconds in info.phase_cpu_seconds.items():
             phases[phase] = phases.get(phase, 0.0) + seconds
+    # (requests none has taken yet wait too: counted once)
+    summed["waiting"] += max(info.unclaimed for info in infos)
     return first.model_copy(update=summed | {
         "heartbeat_at": max(info.heartbeat_at for info in infos),
         "last_iteration_at": max(info.last_iteration_at for info in infos),
@@ -94,6 +96,7 @@ def summed_schedulers(infos: list[SchedulerInfo]) -> SchedulerInfo:
         "executors": sorted({executor for info in infos for executor in info.executors}),
         "cpus": sorted({cpu for info in infos for cpu in info.cpus}),
         "leases": {worker: fence for info in infos for worker, fence in info.leases.items()},
+        "unclaimed": max(info.unclaimed for info in infos),
         "scheduler_id": "",
     })
 
@@ -399,8 +402,10 @@ class Store:
                 infos.append(decode(SchedulerInfo, raw))
             except WireError as error:
                 log.warning("bad scheduler heartbeat error=%s", error)
-        if len(infos) <= 1:
-            return (infos[0] if infos else None), infos
+        if not infos:
+            return None, infos
+        if len(infos) == 1 and not infos[0].scheduler_id:
+            return infos[0], infos
         return summed_schedulers(infos), infos
 
     async def ping(self, timeout: float) -> bool:

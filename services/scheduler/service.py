@@ -418,6 +418,7 @@ class SchedulerService:
             executors=list(self._executors()),
             scheduler_id=self.epoch if self.shards is not None else "",
             leases=dict(self.shards.fences) if self.shards is not None else {},
+            unclaimed=self.shards.unclaimed if self.shards is not None else 0,
         )
         self.link.queue_first(Write("set", (self._heartbeat_key, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))

@@ -34,7 +34,8 @@ SWEEP_SECONDS = 5.0  # how often a scheduler looks for active requests no live s
 
 # ARGV: 1 this scheduler's id, 2 lease ms, 3 "1" at its join, 4 "1" to sweep unowned requests,
 # 5-15 key names (below), 16.. the workers it holds. Reply: {status, run_id, lost workers, taken
-# workers, claimed requests, taken-over schedulers, {worker, fence} of each held worker}.
+# workers, claimed requests, taken-over schedulers, {worker, fence} of each held worker, how many
+# active requests no scheduler has taken yet (waiting in Redis for one with room)}.
 SHARD_SCRIPT = f"""
 local run_id = {keys.REDIS_RUN_ID_LUA}
 """ + """local me, ttl, join, sweep = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
@@ -121,7 +122,8 @@ for worker in pairs(held) do
   fences[#fences + 1] = worker
   fences[#fences + 1] = redis.call('HGET', changes, worker) or '0'
 end
-return {'OK', run_id, lost, taken, claimed, dead, fences}
+local unclaimed = redis.call('SCARD', active) - redis.call('HLEN', owners)
+return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed}
 """
 
 # ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4.. request ids. Reply: the ids
@@ -145,6 +147,7 @@ class ShardPoll(NamedTuple):
     claimed_requests: list[str]
     taken_over: list[str]  # schedulers this poll took over
     fences: dict[str, int]  # each held worker's fencing token (how many times its lease changed owner)
+    unclaimed: int  # active requests no scheduler has taken yet
 
 
 class ShardMembership:
@@ -156,6 +159,7 @@ class ShardMembership:
         self.lease_key = self.model_keys.scheduler_lease(scheduler_id)
         self.joined = False
         self.fences: dict[str, int] = {}
+        self.unclaimed = 0  # at the last poll: active requests no scheduler has taken yet (they wait)
         self._next_sweep = 0.0
 
     def _key_names(self) -> tuple[str, ...]:
@@ -181,8 +185,9 @@ class ShardMembership:
             self._next_sweep = now + SWEEP_SECONDS
         fences = reply[6]
         self.fences = {text_of(fences[i]): int(fences[i + 1]) for i in range(0, len(fences), 2)}
+        self.unclaimed = max(0, int(reply[7]))
         poll = ShardPoll(text_of(reply[1]), [text_of(w) for w in reply[2]], [text_of(w) for w in reply[3]],
-                         [text_of(r) for r in reply[4]], [text_of(s) for s in reply[5]], self.fences)
+                         [text_of(r) for r in reply[4]], [text_of(s) for s in reply[5]], self.fences, self.unclaimed)
         for scheduler_id in poll.taken_over:
             log.warning("scheduler_taken_over scheduler_id=%s by=%s requests=%d", scheduler_id, self.scheduler_id,
                         len(poll.claimed_requests))
