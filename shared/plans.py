@@ -400,6 +400,11 @@ class WirePlan:
     drafts: list[int] = field(default_factory=list)  # each other item's proposed tokens (empty: none)
 
 
+def plan_epoch(data: bytes) -> str:
+    """The scheduler epoch a plan's bytes carry (WireError: not a plan)."""
+    return _field(_unpack("BatchPlan", data), "BatchPlan", "e", str)
+
+
 def read_plan(data: bytes, worker_id: str) -> WirePlan:
     """A plan's bytes, validated whole before anyone acts on it (a WireError says what is wrong): one
     addressed to another worker, a field of the wrong type or range, columns of different lengths."""

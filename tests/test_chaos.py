@@ -1025,6 +1025,34 @@ def test_one_of_two_schedulers_sigstopped_is_taken_over_and_after_sigcont_writes
                longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
 
 
+def test_one_of_two_schedulers_loses_its_only_worker_and_its_requests_finish_on_the_others(baseline, executor):
+    with Cluster(**executor, workers=2, schedulers=2) as cluster:
+        asyncio.run(until_each_scheduler_leases_one_worker(cluster))
+        pid = cluster.services["scheduler-1"].process.pid
+        [worker_id] = next(scheduler["leases"] for scheduler in schedulers_status(cluster) if scheduler["pid"] == pid)
+        times: dict[str, float] = {}
+
+        async def fault(outputs: dict[str, Output]) -> None:
+            await until(all_have(outputs, 8), "8 tokens in every stream")
+            times["killed"] = cluster.kill(cluster.name_of_worker(worker_id))
+
+        outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
+        check_same_as_baseline(outputs, baseline, "after the only worker of one of two schedulers was killed")
+        check_token_streams(cluster, outputs)
+        check_nothing_left(cluster)
+        assert cluster.log_events("scheduler-1", "admitted"), "scheduler-1 had taken no request"
+        [(let_go, _)] = cluster.log_events("scheduler-1", "no_worker_letting_go")
+        continued = [line for _, line in cluster.log_events("scheduler-2", "loaded request_id")
+                     if "output_tokens=0" not in line]  # (taken with their output so far)
+        assert continued, "scheduler-2 continued none of scheduler-1's requests"
+        schedulers = schedulers_status(cluster)
+        assert len(schedulers) == 2 and sorted(len(scheduler["leases"]) for scheduler in schedulers) == [0, 1]
+        gap = longest_gap(outputs)
+        assert gap < 5.0, f"a stream waited {gap:.1f} s"
+        report("one_of_two_schedulers_loses_its_worker", let_go_after_kill_seconds=round(let_go - times["killed"], 2),
+               longest_stream_gap=round(gap, 2), tokens_recomputed=tokens_recomputed(cluster))
+
+
 def check_pool_loaded_again_after_the_redis_restart(cluster: Cluster) -> None:
     """The scheduler saw Redis's new run_id once and loaded the pool again under a new epoch, and
     no worker's entry of an older plan landed after that (check_token_streams: no gap)."""

@@ -67,6 +67,7 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
     taken_a = (await a.poll([])).taken_workers
     taken_b = (await b.poll([])).taken_workers
     taken_a += (await a.poll(taken_a)).taken_workers
+    assert (await a.poll(taken_a)).others_holding == 1
     assert sorted(taken_a + taken_b) == ["w1", "w2", "w3"] and {len(taken_a), len(taken_b)} == {1, 2}
     run_id = (await a.poll(taken_a)).run_id
     for worker_id in taken_b:  # the value a worker's writes are checked against
@@ -78,7 +79,7 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
     # b dies: its lease runs out (deleted here, as the time to live would)
     await redis_client.delete(MODEL_KEYS.scheduler_lease("b"))
     poll = await a.poll(taken_a)
-    assert poll.taken_over == ["b"]
+    assert poll.taken_over == ["b"] and poll.others_holding == 0
     assert sorted(poll.claimed_requests) == ["r1", "r2"]
     assert sorted(poll.taken_workers) == sorted(taken_b)
     assert poll.fences[taken_b[0]] == 2  # its second owner: the fencing token grew
@@ -91,9 +92,10 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
         await b.claim(["r3"])
     assert await redis_client.hget(MODEL_KEYS.request_owners, "r3") is None
     assert (await a.poll(sorted(taken_a + taken_b))).unclaimed == 1  # r3 waits in Redis
-    # r3, owned by nobody, is taken at a's next sweep
-    a._next_sweep = 0.0
-    assert (await a.poll(sorted(taken_a + taken_b))).claimed_requests == ["r3"]
+    # r3, owned by nobody, waits for a scheduler with room
+    assert (await a.poll(sorted(taken_a + taken_b), room=0)).claimed_requests == []
+    assert (await a.poll(sorted(taken_a + taken_b), room=4)).claimed_requests == ["r3"]
+    assert (await a.poll(sorted(taken_a + taken_b), room=4)).unclaimed == 0
 
 
 async def test_a_worker_whose_lease_is_lost_is_reported(redis_client):

@@ -11,6 +11,7 @@ its requests rebuilt. Each poll also reads Redis's run_id: a new one is a Redis 
 
 import logging
 import time
+from collections.abc import Callable
 
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.redis_link import REDIS_SLACK_SECONDS, RedisLink, RedisRestarted, bounded, text_of
@@ -47,7 +48,7 @@ return {listed, ids, values, run_id}
 
 class WorkerLiveness:
     def __init__(self, link: RedisLink, policy: SchedulerPolicy, stall_seconds: float,
-                 shards: ShardMembership | None = None) -> None:
+                 shards: ShardMembership | None = None, room: Callable[[], int] = lambda: 0) -> None:
         self.link, self.policy = link, policy
         self.stall_seconds = stall_seconds
         self._started_at: dict[str, float] = {}
@@ -55,10 +56,12 @@ class WorkerLiveness:
         self.shards = shards  # one of several schedulers: its leases (it plans for the workers it holds)
         self.held: set[str] = set()  # (then) the workers it holds
         self.claimed: list[str] = []  # (then) requests it took at a poll, to load
+        self.room = room  # (then) how many more requests it takes now
+        self.others_holding = 0  # (then) other live schedulers holding a worker, at the last poll
 
     async def _poll_shards(self) -> None:
         """One of several schedulers: renew its leases, take over, take workers and requests."""
-        shard = await self.shards.poll(sorted(self.held))
+        shard = await self.shards.poll(sorted(self.held), self.room())
         if not self.link.run_id:
             self.link.run_id = shard.run_id  # (its join: the server its leases name)
         elif shard.run_id != self.link.run_id:
@@ -68,6 +71,7 @@ class WorkerLiveness:
             self.forget(worker_id, delete_keys=False)
         self.held.update(shard.taken_workers)
         self.claimed += shard.claimed_requests
+        self.others_holding = shard.others_holding
 
     async def poll(self) -> None:
         """Raises RedisRestarted, before anything else, when Redis is not the server the pool was

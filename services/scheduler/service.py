@@ -69,8 +69,8 @@ log = logging.getLogger("iterserve.scheduler")
 # tokens proposed, proposals kept).
 COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "spec_drafts", "spec_draft_tokens",
             "spec_accepted_tokens")
-# One of several schedulers takes new requests while it holds a worker and fewer than this many wait
-# per worker it holds: the rest wait in Redis for whichever scheduler has room first.
+# One of several schedulers takes new requests while its workers' batches have room, and this many
+# more per worker it holds: the rest wait in Redis for whichever scheduler has room first.
 WAITING_PER_WORKER = 4
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
@@ -131,7 +131,7 @@ class SchedulerService:
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, self.holding,
                                       settings.request_ttl_seconds)
-        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds, self.shards)
+        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds, self.shards, self._room)
         self.loader = PoolLoader(self.link, self.policy, self.outputs, settings.request_ttl_seconds, self._cancel)
         self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
         self._loaded = False
@@ -200,6 +200,18 @@ class SchedulerService:
             log.warning("shutdown_write_failed error=%r", error)
         log.info("scheduler_stopped epoch=%s iterations=%d", self.epoch, self.iterations)
 
+    async def _let_go_without_workers(self) -> None:
+        """One of several schedulers holding requests but no live worker, while another holds one (its
+        workers died or were cut off): it lets go of everything (its lease deleted, so the others take
+        it over at their next poll, its requests with their output so far) and joins again."""
+        if self.policy.worker_ids or not self.liveness.others_holding or \
+                not (self.policy.waiting_count or self.policy.running_count or self.liveness.claimed):
+            return
+        log.warning("no_worker_letting_go scheduler_id=%s requests=%d", self.epoch,
+                    self.policy.waiting_count + self.policy.running_count)
+        await bounded(self.redis.delete(self.shards.lease_key), REDIS_SLACK_SECONDS)
+        raise LeaseLost(f"scheduler {self.epoch}: no live worker; its requests go to the others")
+
     @property
     def _heartbeat_key(self) -> str:
         model_keys = self.link.keys
@@ -207,11 +219,11 @@ class SchedulerService:
 
     def _room(self) -> int:
         """How many new requests to load now: all there are for the one scheduler; one of several
-        takes them while it holds a worker and few wait (WAITING_PER_WORKER)."""
+        takes as many as its workers' batches hold, and WAITING_PER_WORKER more per worker."""
         if self.shards is None:
             return LOAD_BATCH
-        workers = len(self.policy.worker_ids)
-        return max(0, min(LOAD_BATCH, WAITING_PER_WORKER * workers - self.policy.waiting_count))
+        places = len(self.policy.worker_ids) * (self.settings.max_batch_size + WAITING_PER_WORKER)
+        return max(0, min(LOAD_BATCH, places - self.policy.waiting_count - self.policy.running_count))
 
     async def turn(self) -> None:
         await self.schedule()
@@ -234,6 +246,8 @@ class SchedulerService:
         if now >= self._next_poll:
             await self.liveness.poll()
             self._next_poll = now + self._poll_interval
+            if self.shards is not None:
+                await self._let_go_without_workers()
         self.liveness.abandon_stalled_plans()
         self.phase_cpu["timers"] += time.process_time() - started
         if self.liveness.claimed:  # one of several: requests it took over, or found without a live owner

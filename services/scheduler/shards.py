@@ -13,8 +13,10 @@ scheduler whose lease no longer holds its id (its fence set to "taken" for a day
 next transaction: RedisLink WATCHes the fence, which nothing else writes, as a renewal writes the
 lease; its worker leases deleted; its requests reassigned to this one);
 take free live workers while this scheduler holds no more than the fewest any live one holds (the
-scheduler with the most room takes a new worker); at a join, and every SWEEP_SECONDS, take the active
-requests that no live scheduler owns. New requests are taken by CLAIM_SCRIPT, only while this
+scheduler with the most room takes a new worker); while it has room, take the active requests that
+no live scheduler owns (requests that waited in Redis, or that a scheduler left). A scheduler left
+with requests and no live worker while another holds one lets go of everything (its lease deleted:
+the others take it over at once) and joins again, so its requests run on elsewhere. New requests are taken by CLAIM_SCRIPT, only while this
 scheduler's lease holds (a stalled scheduler that wakes takes nothing).
 
 A scheduler that finds its own lease gone (LeaseLost) drops everything it knows and joins again
@@ -32,13 +34,15 @@ log = logging.getLogger("iterserve.scheduler")
 
 SWEEP_SECONDS = 5.0  # how often a scheduler looks for active requests no live scheduler owns
 
-# ARGV: 1 this scheduler's id, 2 lease ms, 3 "1" at its join, 4 "1" to sweep unowned requests,
+# ARGV: 1 this scheduler's id, 2 lease ms, 3 "1" at its join, 4 how many unowned requests to take,
 # 5-15 key names (below), 16.. the workers it holds. Reply: {status, run_id, lost workers, taken
 # workers, claimed requests, taken-over schedulers, {worker, fence} of each held worker, how many
-# active requests no scheduler has taken yet (waiting in Redis for one with room)}.
+# active requests no scheduler has taken yet (waiting in Redis for one with room), how many other
+# live schedulers hold a worker}.
 SHARD_SCRIPT = f"""
 local run_id = {keys.REDIS_RUN_ID_LUA}
-""" + """local me, ttl, join, sweep = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
+""" + """local me, ttl, join, room = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local sweep = room > 0
 local schedulers, lease_prefix, heartbeat_prefix, results_prefix, owners = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local active, workers, worker_heartbeat_prefix, worker_lease_prefix, changes = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]
 local fence_prefix = ARGV[15]
@@ -101,17 +105,30 @@ for _, worker in ipairs(free) do
   held[worker] = true
   taken[#taken + 1] = worker
 end
-local claimed = {}
+local others_holding = 0
+for id, count in pairs(live) do
+  if id ~= me and count > 0 then others_holding = others_holding + 1 end
+end
+-- A dead scheduler's requests go to this one if it holds a worker (or nobody else does); else they
+-- are left unowned, for a scheduler with a worker and room to take.
+local inherit = live[me] > 0 or others_holding == 0
+local claimed, swept = {}, 0
 if #dead > 0 or sweep then
   for _, id in ipairs(redis.call('SMEMBERS', active)) do
     local owner = redis.call('HGET', owners, id)
-    if (owner and gone[owner]) or (sweep and not (owner and live[owner])) then
+    if owner and gone[owner] and inherit then
       redis.call('HSET', owners, id, me)
       claimed[#claimed + 1] = id
+    elseif owner and gone[owner] then
+      redis.call('HDEL', owners, id)
+    elseif swept < room and not (owner and live[owner]) then
+      redis.call('HSET', owners, id, me)
+      claimed[#claimed + 1] = id
+      swept = swept + 1
     end
   end
 end
-if sweep then
+if join then
   local entries = redis.call('HGETALL', owners)
   for i = 1, #entries, 2 do
     if redis.call('SISMEMBER', active, entries[i]) == 0 then redis.call('HDEL', owners, entries[i]) end
@@ -123,7 +140,7 @@ for worker in pairs(held) do
   fences[#fences + 1] = redis.call('HGET', changes, worker) or '0'
 end
 local unclaimed = redis.call('SCARD', active) - redis.call('HLEN', owners)
-return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed}
+return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed, others_holding}
 """
 
 # ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4.. request ids. Reply: the ids
@@ -148,6 +165,7 @@ class ShardPoll(NamedTuple):
     taken_over: list[str]  # schedulers this poll took over
     fences: dict[str, int]  # each held worker's fencing token (how many times its lease changed owner)
     unclaimed: int  # active requests no scheduler has taken yet
+    others_holding: int  # other live schedulers that hold a worker
 
 
 class ShardMembership:
@@ -169,13 +187,14 @@ class ShardMembership:
                 model_keys.workers, keys.worker_heartbeat(""), keys.worker_lease(""), model_keys.lease_changes,
                 model_keys.scheduler_fence(""))
 
-    async def poll(self, held_workers: list[str]) -> ShardPoll:
-        """Renew, take over, take free workers (and, at a join or every SWEEP_SECONDS, unowned
-        requests). Raises LeaseLost."""
+    async def poll(self, held_workers: list[str], room: int = 0) -> ShardPoll:
+        """Renew, take over, take free workers, and, with room (room: how many more requests this
+        scheduler takes now), the active requests no live scheduler owns: at a join, when some were
+        seen at the last poll, and every SWEEP_SECONDS. Raises LeaseLost."""
         now = time.monotonic()
-        sweep = not self.joined or now >= self._next_sweep
+        sweep = not self.joined or self.unclaimed > 0 or now >= self._next_sweep
         reply = await bounded(self.link.redis.eval(
-            SHARD_SCRIPT, 0, self.scheduler_id, self.lease_ms, "0" if self.joined else "1", "1" if sweep else "0",
+            SHARD_SCRIPT, 0, self.scheduler_id, self.lease_ms, "0" if self.joined else "1", room if sweep else 0,
             *self._key_names(), *held_workers), REDIS_SLACK_SECONDS)
         status = text_of(reply[0])
         if status != "OK":
@@ -187,7 +206,8 @@ class ShardMembership:
         self.fences = {text_of(fences[i]): int(fences[i + 1]) for i in range(0, len(fences), 2)}
         self.unclaimed = max(0, int(reply[7]))
         poll = ShardPoll(text_of(reply[1]), [text_of(w) for w in reply[2]], [text_of(w) for w in reply[3]],
-                         [text_of(r) for r in reply[4]], [text_of(s) for s in reply[5]], self.fences, self.unclaimed)
+                         [text_of(r) for r in reply[4]], [text_of(s) for s in reply[5]], self.fences, self.unclaimed,
+                         int(reply[8]))
         for scheduler_id in poll.taken_over:
             log.warning("scheduler_taken_over scheduler_id=%s by=%s requests=%d", scheduler_id, self.scheduler_id,
                         len(poll.claimed_requests))

@@ -47,6 +47,7 @@ from shared.exits import configuration_error
 from shared.model_file import load_metadata, weights_sha256
 from shared.served_models import served_models
 from shared.messages import BatchPlan, PromptLogprobsChunk, WorkerInfo
+from shared.plans import plan_epoch
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.redis_exchange import Exchange, xread_entries
 from shared.startup_heap import freeze_startup_heap
@@ -65,6 +66,7 @@ EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregis
 # A guard only: the scheduler trims the results stream to what it has read. Results it has not
 # read after this many are of no use (a scheduler that was down this long starts a new epoch).
 RESULTS_KEPT = 1000
+PLAN_EPOCH_WITHIN = 64  # a plan's epoch is among its first bytes (shared/plans.py: "f", then "e")
 # Out of memory in a step fails that plan's items (the scheduler retries them, maybe in smaller
 # batches); this many in a row mean the device is in no state to compute: the worker leaves.
 MAX_CONSECUTIVE_OOM = 3
@@ -119,6 +121,7 @@ class Worker:
         self._sampling_in_flight: list[set[str]] = []  # per plan launched and not finished: who samples
         self._busy_until = 0.0  # monotonic: the end of the busy time already counted
         self.reader = PlanReader()  # the handles the scheduler gave this worker's requests
+        self._leased_epoch = b""  # one of several schedulers' epoch whose plans are known to hold the lease
         served = served_models(settings)[0]  # a worker serves one model, in its model's pool of keys
         self.model_name, self.keys = served.name, served.keys
         self.weights_sha256 = weights_sha256(load_metadata(settings.model))
@@ -273,8 +276,36 @@ class Worker:
             for _, entries in xread_entries(reply):
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    self._ready.append((entry_id, fields))
-                    self._plan_arrived.set()
+                    if await self._under_lease(fields.get(b"m", b"")):
+                        self._ready.append((entry_id, fields))
+                        self._plan_arrived.set()
+
+    async def _under_lease(self, data: bytes) -> bool:
+        """A plan of one of several schedulers (services/scheduler/shards.py) runs only if its
+        scheduler holds this worker's lease: one of a scheduler that lost it (taken over, its lease run
+        out) would make this worker drop the KV of the requests its new scheduler runs here. Looked
+        up when the epoch changes, not for every plan."""
+        if self._leased_epoch and self._leased_epoch in data[:PLAN_EPOCH_WITHIN]:
+            return True
+        try:
+            epoch = plan_epoch(data)
+        except WireError:
+            return True  # (refused, and logged, where it is decoded)
+        if not epoch.startswith(keys.SHARDED_EPOCH_PREFIX):
+            self._leased_epoch = b""
+            return True
+        while True:
+            try:
+                lease = await self.redis.get(keys.worker_lease(self.worker_id))
+                break
+            except RECONNECT_ERRORS as error:
+                log.warning("event=redis_unavailable worker=%s error=%r", self.worker_id, error)
+                await asyncio.sleep(0.5)
+        if lease is not None and lease.split(b" ")[0] == epoch.encode():
+            self._leased_epoch = epoch.encode()
+            return True
+        log.warning("event=plan_without_lease worker=%s epoch=%s lease=%r", self.worker_id, epoch, lease)
+        return False
 
     async def _start_draining(self) -> None:
         """Say so at once (not at the next heartbeat): the scheduler stops sending new requests."""
