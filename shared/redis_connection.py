@@ -1,12 +1,14 @@
 """One way to connect to Redis, used by every service: retries with backoff on connection loss.
 
 A URL is a plain Redis's (redis://, rediss://, unix://) or, for a primary that fails over, its
-Sentinels' (redis+sentinel://[:password@]host:port[,host:port...]/primary-name[/db]; no TLS through
-Sentinels yet): the client asks the Sentinels for the primary's address on every connect,
+Sentinels' (redis+sentinel://[:password@]host:port[,host:port...]/primary-name[/db], or
+rediss+sentinel://...?ssl_ca_certs=PATH for TLS to the Sentinels and to the servers alike, with
+rediss://'s ssl_* options): the client asks the Sentinels for the primary's address on every connect,
 so after a promotion its next connection goes to the new primary (redis-py's SentinelConnectionPool).
 The password is the primary's; the Sentinels are asked without one.
 """
 
+import socket
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -25,7 +27,15 @@ RECONNECT_ERRORS = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
 MAX_CONNECTIONS = 8192
 
 
-SENTINEL_SCHEMES = ("redis+sentinel",)
+# A connection to a host that is gone (cut off, powered down: no reset comes) is given up within
+# about 5 s rather than TCP's 15 minutes: keepalive probes after 2 s of silence (a blocked XREAD
+# is silence), 1 s apart, 3 unanswered; and data unacknowledged for 5 s. Then every client's own
+# retry reconnects (through the Sentinels: to the primary they name now).
+KEEPALIVE_OPTIONS = {option: value for option, value in (
+    (getattr(socket, "TCP_KEEPIDLE", None), 2), (getattr(socket, "TCP_KEEPINTVL", None), 1),
+    (getattr(socket, "TCP_KEEPCNT", None), 3), (getattr(socket, "TCP_USER_TIMEOUT", None), 5000)) if option is not None}
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 SENTINEL_TIMEOUT_SECONDS = 2.0  # one question to one Sentinel
 
 
@@ -41,6 +51,10 @@ class SentinelTarget:
     primary: str  # the name the Sentinels monitor it under
     password: str | None
     db: int
+    tls: dict[str, object] | None = None  # rediss+sentinel://: redis-py's ssl options (Sentinels and servers)
+
+    def tls_options(self) -> dict[str, object]:
+        return {} if self.tls is None else {"ssl": True, **self.tls}
 
 
 def sentinel_target(redis_url: str) -> SentinelTarget | None:
@@ -60,13 +74,25 @@ def sentinel_target(redis_url: str) -> SentinelTarget | None:
         if not name or not port.isdigit():
             raise BadRedisUrl(f"{redacted(redis_url)}: a Sentinel is host:port, got {host!r}")
         sentinels.append((name.strip("[]"), int(port)))
+    path, _, query = path.partition("?")
+    tls = None
+    if scheme == "rediss+sentinel":
+        tls = {}
+        for pair in filter(None, query.split("&")):
+            name, _, value = pair.partition("=")
+            if name not in TLS_OPTIONS:
+                raise BadRedisUrl(f"{redacted(redis_url)}: unknown option {name!r} (TLS takes {', '.join(TLS_OPTIONS)})")
+            tls[name] = value.lower() in ("1", "true", "yes") if name == "ssl_check_hostname" else unquote(value)
+    elif query:
+        raise BadRedisUrl(f"{redacted(redis_url)}: options after '?' are TLS's, for rediss+sentinel://")
     primary, _, db = path.partition("/")
     if not sentinels or not primary:
         raise BadRedisUrl(f"{redacted(redis_url)}: a Sentinel URL is "
-                          "redis+sentinel://[:password@]host:port[,host:port...]/primary-name[/db]")
+                          "redis+sentinel://[:password@]host:port[,host:port...]/primary-name[/db] "
+                          "(rediss+sentinel://...?ssl_ca_certs=PATH for TLS)")
     if db and not db.isdigit():
         raise BadRedisUrl(f"{redacted(redis_url)}: the database is a number, got {db!r}")
-    return SentinelTarget(tuple(sentinels), primary, password, int(db or 0))
+    return SentinelTarget(tuple(sentinels), primary, password, int(db or 0), tls)
 
 
 def connect(redis_url: str) -> aioredis.Redis:
@@ -84,12 +110,15 @@ def connect(redis_url: str) -> aioredis.Redis:
         retry_on_error=list(RECONNECT_ERRORS),
         max_connections=MAX_CONNECTIONS,
     )
+    if not redis_url.startswith("unix:"):
+        options |= {"socket_keepalive": True, "socket_keepalive_options": KEEPALIVE_OPTIONS}
     if target is None:
         return aioredis.Redis.from_url(redis_url, **options)
     sentinel = aiosentinel.Sentinel(list(target.sentinels), sentinel_kwargs={
-        "socket_connect_timeout": SENTINEL_TIMEOUT_SECONDS, "socket_timeout": SENTINEL_TIMEOUT_SECONDS})
+        "socket_connect_timeout": SENTINEL_TIMEOUT_SECONDS, "socket_timeout": SENTINEL_TIMEOUT_SECONDS,
+        "socket_keepalive": True, "socket_keepalive_options": KEEPALIVE_OPTIONS, **target.tls_options()})
     return sentinel.master_for(target.primary, redis_class=aioredis.Redis, password=target.password, db=target.db,
-                               **options)
+                               **options, **target.tls_options())
 
 
 def sync_client(redis_url: str, timeout: float) -> redis.Redis:
@@ -98,9 +127,9 @@ def sync_client(redis_url: str, timeout: float) -> redis.Redis:
     if target is None:
         return redis.Redis.from_url(redis_url, socket_connect_timeout=timeout, socket_timeout=timeout)
     sentinel = redis.sentinel.Sentinel(list(target.sentinels), sentinel_kwargs={
-        "socket_connect_timeout": timeout, "socket_timeout": timeout})
+        "socket_connect_timeout": timeout, "socket_timeout": timeout, **target.tls_options()})
     return sentinel.master_for(target.primary, password=target.password, db=target.db,
-                               socket_connect_timeout=timeout, socket_timeout=timeout)
+                               socket_connect_timeout=timeout, socket_timeout=timeout, **target.tls_options())
 
 
 def sentinel_error(redis_url: str, timeout: float = 3.0) -> str | None:
@@ -110,7 +139,8 @@ def sentinel_error(redis_url: str, timeout: float = 3.0) -> str | None:
         return None
     answered = []
     for host, port in target.sentinels:
-        client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout, socket_timeout=timeout)
+        client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout, socket_timeout=timeout,
+                             **target.tls_options())
         try:
             answered.append(client.sentinel_get_master_addr_by_name(target.primary))
         except (ConnectionError, TimeoutError, OSError, ResponseError):

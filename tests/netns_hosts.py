@@ -113,6 +113,8 @@ class Hosts:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=STOP_TIMEOUT_SECONDS)
             log_file.close()
-        for namespace in self.made:  # (its veth end goes with it)
+        for name in self.names:  # (deleting one end of a veth pair deletes both)
+            subprocess.run(["ip", "link", "del", self.host_ends[name]], capture_output=True, timeout=10)
+        for namespace in self.made:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=10)

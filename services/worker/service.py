@@ -66,6 +66,7 @@ EXIT_WRITE_SECONDS = 3.0  # how long a stopping worker waits on Redis to deregis
 # A guard only: the scheduler trims the results stream to what it has read. Results it has not
 # read after this many are of no use (a scheduler that was down this long starts a new epoch).
 RESULTS_KEPT = 1000
+RESULT_SEND_SECONDS = 10.0  # a result's write not answered in this long is sent again, on a new connection
 PLAN_EPOCH_WITHIN = 64  # a plan's epoch is among its first bytes (shared/plans.py: "f", then "e")
 # Out of memory in a step fails that plan's items (the scheduler retries them, maybe in smaller
 # batches); this many in a row mean the device is in no state to compute: the worker leaves.
@@ -154,7 +155,11 @@ class Worker:
         """Until _heartbeat_stop is set (never cancelled: it may be waiting on Redis)."""
         while not self._heartbeat_stop.is_set():
             try:
-                await self.beat()
+                # A beat later than the key's own life is no use: one stuck on a connection to a host
+                # that is gone (a Redis primary lost, until the Sentinels' promotion) is given up and
+                # sent again on a new connection, so the worker is not taken for dead meanwhile.
+                async with asyncio.timeout(max(1.0, self.settings.worker_timeout_seconds)):
+                    await self.beat()
             except RECONNECT_ERRORS as error:
                 log.warning("event=heartbeat_failed worker=%s error=%r", self.worker_id, error)
             except Exception:  # a heartbeat that stops for good would get this worker declared dead
@@ -504,7 +509,8 @@ class Worker:
         wait = 0.0
         while True:
             try:
-                replies = await self.results.send(commands)
+                async with asyncio.timeout(RESULT_SEND_SECONDS):  # (on a connection to a host gone: given up)
+                    replies = await self.results.send(commands)
                 failed = [reply for reply in replies if isinstance(reply, Exception)]
                 if failed:
                     raise failed[0]
@@ -512,7 +518,7 @@ class Worker:
                     log.warning("event=stale_write worker=%s plan=%d epoch=%s", self.worker_id, plan.plan_id,
                                 plan.scheduler_epoch)
                 return
-            except (*RECONNECT_ERRORS, OutOfMemoryError, ReadOnlyError) as error:
+            except (*RECONNECT_ERRORS, OutOfMemoryError, ReadOnlyError, TimeoutError) as error:
                 log.warning("event=publish_failed worker=%s plan=%d error=%r", self.worker_id, plan.plan_id, error)
                 await asyncio.sleep(wait)
                 wait = 0.5
