@@ -26,7 +26,8 @@ from shared.config import REQUEST_LOG, Settings
 SERVICE_OPTIONS = {
     # option: (settings field, type, help)
     "--redis-url": ("redis_url", str, "Redis URL, e.g. redis://:password@host:6379/0, or through Sentinels "
-                                      "redis+sentinel://host:26379,host2:26379,host3:26379/primary-name (env REDIS_URL)"),
+                                      "redis+sentinel://host:26379,host2:26379,host3:26379/primary-name (rediss+sentinel://"
+                                      "...?ssl_ca_certs=PATH: TLS) (env REDIS_URL)"),
     "--redis-replicas": ("redis_replicas", int, "up: replicas of its own Redis, and three Sentinels that promote "
                                                 "one when the primary is lost (default 0)"),
     "--redis-wait-replicas": ("redis_wait_replicas", int, "gateway: accept a request once this many Redis replicas "

@@ -56,6 +56,28 @@ def test_the_gpu_compose_file_reserves_a_gpu_for_the_worker_only():
     assert [name for name, service in services.items() if "deploy" in service] == ["worker"]
 
 
+def test_the_sentinel_compose_file_runs_a_replica_and_three_sentinels_and_every_service_through_them():
+    refused = compose_run("docker-compose.yml", "docker-compose.sentinel.yml", password=None)
+    assert refused.returncode != 0 and "set ITERSERVE_REDIS_PASSWORD" in refused.stderr, refused.stderr
+    services = compose_config("docker-compose.yml", "docker-compose.sentinel.yml")["services"]
+    sentinels = [f"sentinel-{index}" for index in (1, 2, 3)]
+    assert set(services) == {"redis", "redis-replica", "gateway", "scheduler", "worker", *sentinels}
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1:][:2] == ["redis", "6379"]
+    assert replica[replica.index("--masterauth") + 1] == "a-test-password"
+    for name in sentinels:
+        service = services[name]
+        assert "--sentinel" in service["command"][0] and "sentinel monitor iterserve redis 6379 2" in service["command"][0]
+        assert service["environment"]["SENTINEL_NAME"] == name and service.get("restart") == "unless-stopped"
+    for name in ("gateway", "scheduler", "worker"):
+        environment = services[name]["environment"]
+        assert environment["REDIS_URL"] == ("redis+sentinel://:a-test-password@sentinel-1:26379,sentinel-2:26379,"
+                                            "sentinel-3:26379/iterserve/0"), name
+        assert environment["ITERSERVE_REDIS_WAIT_REPLICAS"] == "1"
+    from shared.redis_connection import sentinel_target
+    assert sentinel_target(services["worker"]["environment"]["REDIS_URL"]).primary == "iterserve"
+
+
 def test_compose_runs_every_service_with_restart_policies_and_persistent_redis():
     """Read from the resolved file, service by service (a policy written once must hold for each)."""
     config = compose_config("docker-compose.yml")

@@ -102,7 +102,13 @@ def test_sentinel_urls_name_their_sentinels_primary_password_and_database():
     assert (target.primary, target.password, target.db) == ("mymaster", "pw@x", 2)
     assert sentinel_target("redis://h:1/0") is None
     assert redacted("redis+sentinel://:s3cret@h:1,g:2/p/0") == "redis+sentinel://***@h:1,g:2/p/0"
-    for bad in ("redis+sentinel://h:1", "redis+sentinel:///p", "redis+sentinel://h/p", "redis+sentinel://h:1/p/x"):
+    assert target.tls is None and target.tls_options() == {}
+    tls = sentinel_target("rediss+sentinel://:pw@h:26380,g:26380/p/0?ssl_ca_certs=/etc/ca%20dir/ca.pem")
+    assert (tls.sentinels, tls.primary, tls.password, tls.db) == ((("h", 26380), ("g", 26380)), "p", "pw", 0)
+    assert tls.tls_options() == {"ssl": True, "ssl_ca_certs": "/etc/ca dir/ca.pem"}
+    assert redacted("rediss+sentinel://:s3cret@h:1/p/0?ssl_ca_certs=x") == "rediss+sentinel://***@h:1/p/0?ssl_ca_certs=x"
+    for bad in ("redis+sentinel://h:1", "redis+sentinel:///p", "redis+sentinel://h/p", "redis+sentinel://h:1/p/x",
+                "redis+sentinel://h:1/p/0?ssl_ca_certs=x", "rediss+sentinel://h:1/p/0?nonsense=1"):
         with pytest.raises(BadRedisUrl):
             sentinel_target(bad)
         assert credentials_error(bad), bad  # said at start, not retried
