@@ -72,6 +72,7 @@ COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "spec_draf
 # One of several schedulers takes new requests while its workers' batches have room, and this many
 # more per worker it holds: the rest wait in Redis for whichever scheduler has room first.
 WAITING_PER_WORKER = 4
+PENDING_KEPT = 4 * LOAD_BATCH  # new request ids one of several schedulers keeps while it has no room
 MAX_BLOCK_MS = 50  # longest XREAD BLOCK: timers (liveness, heartbeat) run between reads
 BACKOFF_START_SECONDS, BACKOFF_CAP_SECONDS = 0.05, 2.0
 PLAN_STREAM_MAXLEN = 1000  # a guard only: each worker trims its own plan stream as it reads it
@@ -326,6 +327,10 @@ class SchedulerService:
                 log.warning("malformed_new_request entry=%s", text_of(entry_id))
                 continue
             self._pending_new.append(request_id)
+        if self.shards is not None and len(self._pending_new) > PENDING_KEPT:
+            # One of several without room for long: the oldest it read are others' by now, or wait
+            # unowned in Redis, where a poll of whichever scheduler has room takes them.
+            del self._pending_new[:-PENDING_KEPT]
         for entry_id, fields in by_stream.get(self.link.keys.cancels, ()):
             self.link.note_read(self.link.keys.cancels, entry_id)
             request_id = keys.valid_request_id(fields.get(b"id"))
