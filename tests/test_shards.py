@@ -121,6 +121,22 @@ def test_the_gateway_sums_several_schedulers_and_counts_the_requests_none_took_a
     assert summed.leases == {"w1": 1, "w2": 2} and summed.executors == ["engine"]
 
 
+def test_a_redis_that_cannot_run_the_leases_scripts_is_refused_at_start():
+    """EVAL renamed away (as an ACL denying it would): one line and exit 78, not a retry loop."""
+    import os
+
+    from tests.redis_server import RedisProcess
+
+    server = RedisProcess(extra_args=("--rename-command", "EVAL", "")).start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", "--schedulers", "2"],
+                              capture_output=True, text=True, timeout=120, env=os.environ | {"REDIS_URL": server.url})
+    finally:
+        server.stop(kill=True)
+    assert done.returncode == 78, (done.returncode, done.stderr[-1500:])
+    assert "iterserve scheduler --schedulers 2: Redis refused the leases' script" in done.stderr, done.stderr[-1500:]
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--schedulers", "0"], "schedulers"),
     (["--schedulers", "two"], "--schedulers"),

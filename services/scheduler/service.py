@@ -39,7 +39,7 @@ from services.scheduler.liveness import WorkerLiveness
 from services.scheduler.output import RequestOutputs
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.recovery import LOAD_BATCH, PoolLoader
-from services.scheduler.shards import ShardMembership
+from services.scheduler.shards import ShardMembership, lease_problem
 from services.scheduler.redis_link import (
     REDIS_SLACK_SECONDS,
     LeaseLost,
@@ -54,6 +54,7 @@ from services.scheduler.redis_link import (
 )
 from shared import keys
 from shared.config import Settings, executor_label
+from shared.exits import configuration_error
 from shared.messages import SchedulerInfo
 from shared.model_file import load_metadata, serving_config
 from shared.plans import ResultColumns, encode_plan, read_result, read_result_columns
@@ -463,6 +464,9 @@ async def run_scheduler(settings: Settings, stop_event: asyncio.Event | None = N
     metadata = load_metadata(settings.model)
     tokenizer = Tokenizer.for_serving(settings.model, settings.tokenizer, settings.chat_template)
     redis = connect(settings.redis_url)
+    if settings.schedulers > 1 and (problem := await lease_problem(redis, keys.ModelKeys(settings.model_group))):
+        await redis.aclose()
+        raise configuration_error(f"iterserve scheduler --schedulers {settings.schedulers}: {problem}")
     service = SchedulerService(settings, redis, tokenizer,
                                serving_config(metadata.config, settings.max_model_len).context_length)
     freeze_startup_heap("scheduler")

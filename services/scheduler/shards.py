@@ -157,6 +157,32 @@ return mine
 """
 
 
+# At start: can this Redis run the leases' scripts (EVAL, SET NX PX, DEL)? An ACL that denies them, or
+# a server with EVAL renamed away, would make every poll fail: said once, at start.
+PROBE_SCRIPT = """
+redis.call('SET', ARGV[1], 'probe', 'NX', 'PX', 1000)
+redis.call('DEL', ARGV[1])
+return 1
+"""
+PASSING_REFUSALS = ("READONLY", "LOADING", "MASTERDOWN", "OOM", "BUSY", "NOREPLICAS")
+
+
+async def lease_problem(redis, model_keys: keys.ModelKeys) -> str | None:
+    """Why this Redis cannot hold several schedulers' leases, or None (a Redis that does not answer
+    yet, or refuses for a while, is not a problem here: the scheduler retries)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        await bounded(redis.eval(PROBE_SCRIPT, 0, model_keys.scheduler_lease("probe")), REDIS_SLACK_SECONDS)
+    except ResponseError as error:
+        if str(error).startswith(PASSING_REFUSALS):
+            return None
+        return f"Redis refused the leases' script (EVAL of SET and DEL): {error}"
+    except Exception:  # not answering (yet): the scheduler's own loop waits it out
+        return None
+    return None
+
+
 class ShardPoll(NamedTuple):
     run_id: str
     lost_workers: list[str]
