@@ -3,6 +3,7 @@ RedisLink's WATCH). The system scenarios (a scheduler SIGKILLed or SIGSTOPped wi
 are in tests/test_chaos.py; the CLI's refusals at the end."""
 
 import subprocess
+from types import SimpleNamespace
 import sys
 
 import pytest
@@ -147,3 +148,25 @@ def test_a_bad_schedulers_setting_is_refused_at_start(arguments, message):
     done = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", *arguments], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr[-500:])
+
+
+async def test_a_worker_runs_a_plan_only_under_its_schedulers_lease(redis_client):
+    """services/worker/service.py Worker._under_lease, against a real Redis: a plan of one of several
+    schedulers runs only while that scheduler holds the worker's lease (looked up when the epoch
+    changes); a plan of the one scheduler (no `s-` epoch) needs none."""
+    import msgpack
+
+    from services.worker.service import Worker
+
+    def plan(epoch: str) -> bytes:
+        return msgpack.packb({"f": 5, "e": epoch, "p": 1, "w": "w1"})
+
+    worker = SimpleNamespace(redis=redis_client, worker_id="w1", _leased_epoch=b"")
+    under_lease = lambda data: Worker._under_lease(worker, data)  # noqa: E731
+    assert await under_lease(plan("0123abcd"))  # the one scheduler's
+    await redis_client.set(keys.worker_lease("w1"), "s-new runid")
+    assert not await under_lease(plan("s-old"))  # taken over: its plans do not run
+    assert await under_lease(plan("s-new"))
+    await redis_client.set(keys.worker_lease("w1"), "s-other runid")
+    assert await under_lease(plan("s-new"))  # (the same epoch: not looked up again)
+    assert not await under_lease(plan("s-old"))

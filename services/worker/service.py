@@ -122,7 +122,7 @@ class Worker:
         self._sampling_in_flight: list[set[str]] = []  # per plan launched and not finished: who samples
         self._busy_until = 0.0  # monotonic: the end of the busy time already counted
         self.reader = PlanReader()  # the handles the scheduler gave this worker's requests
-        self._leased_epoch = b""  # one of several schedulers' epoch whose plans are known to hold the lease
+        self._leased_epoch = b""  # the epoch whose plans are known to run here (one of several's: under its lease)
         served = served_models(settings)[0]  # a worker serves one model, in its model's pool of keys
         self.model_name, self.keys = served.name, served.keys
         self.weights_sha256 = weights_sha256(load_metadata(settings.model))
@@ -297,7 +297,7 @@ class Worker:
         except WireError:
             return True  # (refused, and logged, where it is decoded)
         if not epoch.startswith(keys.SHARDED_EPOCH_PREFIX):
-            self._leased_epoch = b""
+            self._leased_epoch = epoch.encode()  # (the one scheduler's: no lease; looked at again when it changes)
             return True
         while True:
             try:
