@@ -1,6 +1,6 @@
 """`iterserve up --schedulers 2` as a user runs it: two schedulers of the model, each leasing one of
 the two workers, shown in /status and /metrics; one SIGKILLed, the other takes its worker, `up`
-starts it again and it joins again; a stop leaves no process behind. (The faults with real workers
+starts it again, it joins again and is handed a worker back; a stop leaves no process behind. (The faults with real workers
 mid-stream, output against output, are tests/test_chaos.py's two-scheduler scenarios.)"""
 
 import json
@@ -65,4 +65,9 @@ def test_up_with_two_schedulers_shares_the_workers_and_one_killed_is_taken_over_
               [scheduler["scheduler_id"] for scheduler in schedulers(system)],
               "the restarted scheduler joining again", system)
         assert "scheduler_taken_over" in system.log()
+        # holding two workers to the other's none, the survivor hands one over (drained first)
+        until(lambda: [len(scheduler["leases"]) for scheduler in schedulers(system)] == [1, 1],
+              "a worker handed over to the restarted scheduler", system, timeout=30)
+        assert "worker_handed_over" in system.log()
+        assert [completion(system, prompt) for prompt in prompts] == expected
         assert not system.stop(), "`up` left processes behind"

@@ -69,6 +69,7 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
     taken_b = (await b.poll([])).taken_workers
     taken_a += (await a.poll(taken_a)).taken_workers
     assert (await a.poll(taken_a)).others_holding == 1
+    assert (await b.poll(taken_b)).fewest_other == len(taken_a) and (await a.poll(taken_a)).fewest_other == len(taken_b)
     assert sorted(taken_a + taken_b) == ["w1", "w2", "w3"] and {len(taken_a), len(taken_b)} == {1, 2}
     run_id = (await a.poll(taken_a)).run_id
     for worker_id in taken_b:  # the value a worker's writes are checked against
@@ -80,7 +81,7 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
     # b dies: its lease runs out (deleted here, as the time to live would)
     await redis_client.delete(MODEL_KEYS.scheduler_lease("b"))
     poll = await a.poll(taken_a)
-    assert poll.taken_over == ["b"] and poll.others_holding == 0
+    assert poll.taken_over == ["b"] and poll.others_holding == 0 and poll.fewest_other == -1
     assert sorted(poll.claimed_requests) == ["r1", "r2"]
     assert sorted(poll.taken_workers) == sorted(taken_b)
     assert poll.fences[taken_b[0]] == 2  # its second owner: the fencing token grew
@@ -136,6 +137,23 @@ def test_a_redis_that_cannot_run_the_leases_scripts_is_refused_at_start():
         server.stop(kill=True)
     assert done.returncode == 78, (done.returncode, done.stderr[-1500:])
     assert "iterserve scheduler --schedulers 2: Redis refused the leases' script" in done.stderr, done.stderr[-1500:]
+
+
+async def test_a_worker_lease_given_up_goes_to_the_scheduler_that_holds_the_fewest(redis_client):
+    a, b = (ShardMembership(link_of(redis_client, name), name, LEASE_MS) for name in ("a", "b"))
+    await a.poll([])
+    await register_workers(redis_client, "w1", "w2")
+    held_a = (await a.poll([])).taken_workers
+    assert sorted(held_a) == ["w1", "w2"]  # alone: both
+    assert (await b.poll([])).taken_workers == []  # joined later: none free
+    poll = await a.poll(held_a)
+    assert poll.fewest_other == 0  # two more than b: a hands one over
+    run_id = poll.run_id
+    await a.release_worker("w2", "wrong-run-id")  # (only its own lease is given up)
+    assert await redis_client.get(keys.worker_lease("w2")) == f"a {run_id}".encode()
+    await a.release_worker("w2", run_id)
+    assert (await a.poll(["w1"])).taken_workers == []  # not taken back by the one that gave it up
+    assert (await b.poll([])).taken_workers == ["w2"]
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -58,6 +58,7 @@ class WorkerLiveness:
         self.claimed: list[str] = []  # (then) requests it took at a poll, to load
         self.room = room  # (then) how many more requests it takes now
         self.others_holding = 0  # (then) other live schedulers holding a worker, at the last poll
+        self.handing_over: str | None = None  # (then) a worker drained to give its lease to one that holds fewer
 
     async def _poll_shards(self) -> None:
         """One of several schedulers: renew its leases, take over, take workers and requests."""
@@ -72,6 +73,15 @@ class WorkerLiveness:
         self.held.update(shard.taken_workers)
         self.claimed += shard.claimed_requests
         self.others_holding = shard.others_holding
+        if self.handing_over not in self.held:
+            self.handing_over = None
+        if self.handing_over is None and 0 <= shard.fewest_other <= len(self.held) - 2:
+            # Two more than another holds (a scheduler that joined again, or took another over): hand
+            # one over, the one running the fewest, drained first so no request's KV is lost mid-step.
+            self.handing_over = min(sorted(self.held), key=lambda worker_id: len(
+                self.policy.worker(worker_id).running) if self.policy.worker(worker_id) else 0)
+            log.info("worker_handing_over worker_id=%s held=%d fewest_other=%d", self.handing_over, len(self.held),
+                     shard.fewest_other)
 
     async def poll(self) -> None:
         """Raises RedisRestarted, before anything else, when Redis is not the server the pool was
@@ -119,7 +129,22 @@ class WorkerLiveness:
                                       info.kv_identity)
             self._started_at[worker_id] = info.started_at
             self.executors[worker_id] = info.executor
-            self.policy.set_draining(worker_id, info.draining)
+            self.policy.set_draining(worker_id, info.draining or worker_id == self.handing_over)
+        if self.handing_over is not None:
+            await self._hand_over()
+
+    async def _hand_over(self) -> None:
+        """The worker being handed over, once nothing of it is in flight: its lease given up."""
+        worker_id = self.handing_over
+        worker = self.policy.worker(worker_id)
+        if worker is not None and (worker.running or worker.in_flight):
+            return
+        await self.shards.release_worker(worker_id, self.link.run_id)
+        self.handing_over = None
+        self.held.discard(worker_id)
+        if worker is not None:
+            self.forget(worker_id, delete_keys=False)
+        log.info("worker_handed_over worker_id=%s", worker_id)
 
     def forget(self, worker_id: str, delete_keys: bool = True) -> None:
         """A dead or departed worker: its requests wait again, its keys and per-worker state go.

@@ -16,7 +16,9 @@ take free live workers while this scheduler holds no more than the fewest any li
 scheduler with the most room takes a new worker); while it has room, take the active requests that
 no live scheduler owns (requests that waited in Redis, or that a scheduler left). A scheduler left
 with requests and no live worker while another holds one lets go of everything (its lease deleted:
-the others take it over at once) and joins again, so its requests run on elsewhere. New requests are taken by CLAIM_SCRIPT, only while this
+the others take it over at once) and joins again, so its requests run on elsewhere. A scheduler
+holding two workers more than another hands one over (services/scheduler/liveness.py): it drains
+it, as a stopping worker is drained, and gives its lease up once nothing of it is in flight. New requests are taken by CLAIM_SCRIPT, only while this
 scheduler's lease holds (a stalled scheduler that wakes takes nothing).
 
 A scheduler that finds its own lease gone (LeaseLost) drops everything it knows and joins again
@@ -38,7 +40,7 @@ SWEEP_SECONDS = 5.0  # how often a scheduler looks for active requests no live s
 # 5-15 key names (below), 16.. the workers it holds. Reply: {status, run_id, lost workers, taken
 # workers, claimed requests, taken-over schedulers, {worker, fence} of each held worker, how many
 # active requests no scheduler has taken yet (waiting in Redis for one with room), how many other
-# live schedulers hold a worker}.
+# live schedulers hold a worker, the fewest workers another live scheduler holds (-1: none lives)}.
 SHARD_SCRIPT = f"""
 local run_id = {keys.REDIS_RUN_ID_LUA}
 """ + """local me, ttl, join, room = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
@@ -140,7 +142,7 @@ for worker in pairs(held) do
   fences[#fences + 1] = redis.call('HGET', changes, worker) or '0'
 end
 local unclaimed = redis.call('SCARD', active) - redis.call('HLEN', owners)
-return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed, others_holding}
+return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed, others_holding, fewest or -1}
 """
 
 # ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4.. request ids. Reply: the ids
@@ -156,6 +158,12 @@ end
 return mine
 """
 
+
+# ARGV: 1 a worker's lease key, 2 this scheduler's value there: deleted only if it still holds it.
+RELEASE_SCRIPT = """
+if redis.call('GET', ARGV[1]) == ARGV[2] then redis.call('DEL', ARGV[1]) end
+return 1
+"""
 
 # At start: can this Redis run the leases' scripts (EVAL, SET NX PX, DEL)? An ACL that denies them, or
 # a server with EVAL renamed away, would make every poll fail: said once, at start.
@@ -192,6 +200,7 @@ class ShardPoll(NamedTuple):
     fences: dict[str, int]  # each held worker's fencing token (how many times its lease changed owner)
     unclaimed: int  # active requests no scheduler has taken yet
     others_holding: int  # other live schedulers that hold a worker
+    fewest_other: int  # the fewest workers another live scheduler holds (-1: no other lives)
 
 
 class ShardMembership:
@@ -233,7 +242,7 @@ class ShardMembership:
         self.unclaimed = max(0, int(reply[7]))
         poll = ShardPoll(text_of(reply[1]), [text_of(w) for w in reply[2]], [text_of(w) for w in reply[3]],
                          [text_of(r) for r in reply[4]], [text_of(s) for s in reply[5]], self.fences, self.unclaimed,
-                         int(reply[8]))
+                         int(reply[8]), int(reply[9]))
         for scheduler_id in poll.taken_over:
             log.warning("scheduler_taken_over scheduler_id=%s by=%s requests=%d", scheduler_id, self.scheduler_id,
                         len(poll.claimed_requests))
@@ -253,6 +262,12 @@ class ShardMembership:
         if reply and text_of(reply[0]) == "LOST":
             raise LeaseLost(f"scheduler {self.scheduler_id}: its lease is gone")
         return [text_of(request_id) for request_id in reply]
+
+    async def release_worker(self, worker_id: str, run_id: str) -> None:
+        """Give a worker's lease up (a handover to a scheduler that holds fewer): free for the next
+        poll of the one that holds the fewest."""
+        await bounded(self.link.redis.eval(RELEASE_SCRIPT, 0, keys.worker_lease(worker_id),
+                                           f"{self.scheduler_id} {run_id}"), REDIS_SLACK_SECONDS)
 
     def queue_release(self) -> None:
         """A scheduler that stops: its lease goes at once, so the others take over at their next
