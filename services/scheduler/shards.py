@@ -1,28 +1,29 @@
 """Several schedulers per model (Settings.schedulers > 1): each leases a shard of the model's
-workers and owns the requests it took, and the others take both over when it dies or stalls.
+workers and owns the requests it took; the others take both over when it dies or stalls.
 
-Keys (shared/keys.py, ModelKeys): each scheduler's id is its epoch (a new one at every start and
-every rejoin). It is listed in `schedulers` and holds `scheduler_lease(id)` = its id, with a time to
-live (Settings.scheduler_lease_ms) that every poll renews. It holds each of its workers by
-`worker_lease(worker)` = "ID RUN_ID", renewed likewise, the value a worker's writes are checked
-against (services/worker/token_writer.py): no entry or result of a plan lands unless its scheduler
-holds that worker's lease now. `request_owners` maps each request it took to its id.
+Keys (shared/keys.py, ModelKeys): each scheduler's id is its epoch (new at every start and rejoin).
+It is listed in `schedulers` and holds `scheduler_lease(id)` = its id, with a time to live
+(Settings.scheduler_lease_ms) that every poll renews. It holds each of its workers by
+`worker_lease(worker)` = "ID RUN_ID", renewed likewise: the value a worker's writes are checked
+against (services/worker/token_writer.py), so nothing of a plan lands unless its scheduler holds
+that worker now. `request_owners` maps each request to the scheduler that took it.
 
-One script a poll (SHARD_SCRIPT), atomic: renew this scheduler's leases; take over every listed
-scheduler whose lease no longer holds its id (its fence set to "taken" for a day, which aborts its
-next transaction: RedisLink WATCHes the fence, which nothing else writes, as a renewal writes the
-lease; its worker leases deleted; its requests reassigned to this one);
-take free live workers while this scheduler holds no more than the fewest any live one holds (the
-scheduler with the most room takes a new worker); while it has room, take the active requests that
-no live scheduler owns (requests that waited in Redis, or that a scheduler left). A scheduler left
-with requests and no live worker while another holds one lets go of everything (its lease deleted:
-the others take it over at once) and joins again, so its requests run on elsewhere. A scheduler
-holding two workers more than another hands one over (services/scheduler/liveness.py): it drains
-it, as a stopping worker is drained, and gives its lease up once nothing of it is in flight. New requests are taken by CLAIM_SCRIPT, only while this
-scheduler's lease holds (a stalled scheduler that wakes takes nothing).
+One script a poll (SHARD_SCRIPT), atomic:
+- renew this scheduler's leases (its own gone: LeaseLost);
+- take over every listed scheduler whose lease no longer holds its id: write its fence ("taken",
+  for a day: RedisLink WATCHes it, so its next transaction does not run; the lease itself cannot be
+  the WATCHed key, as every renewal writes it), delete its worker leases, and take its requests if
+  this scheduler holds a worker (else leave them unowned, for one that has room);
+- take free live workers while holding no more than the fewest any live scheduler holds;
+- with room, take active requests no live scheduler owns (they waited in Redis, or were left).
+New requests are taken by CLAIM_SCRIPT, only while this scheduler's lease holds.
 
-A scheduler that finds its own lease gone (LeaseLost) drops everything it knows and joins again
-under a new id: what it held was, or will be, taken over.
+And in the scheduler (services/scheduler/service.py, liveness.py): one left with requests and no
+live worker while another holds one deletes its own lease and joins again (its requests run on
+elsewhere); one holding two workers more than another drains one and gives its lease up.
+
+A scheduler that finds its lease gone drops everything it knows and joins again under a new id:
+what it held was, or will be, taken over.
 """
 
 import logging
