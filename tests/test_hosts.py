@@ -228,28 +228,31 @@ def owner_of(deployment: Deployment, worker_id: str) -> str:
 
 def test_a_worker_host_cut_off_mid_stream_its_requests_finish_on_the_other_and_its_late_results_are_refused(
         deployment, baseline):
-    times: dict[str, float] = {}
-    owner = owner_of(deployment, "host-w1")
+    chosen: list[tuple[str, str, str]] = []  # (worker host, worker id, its scheduler's host)
 
     async def fault(outputs: dict[str, Output]) -> None:
         await until(lambda: all(len(output.pieces) >= 6 for output in outputs.values()), "6 tokens in every stream")
-        deployment.hosts.cut("worker-1")
-        times["cut"] = time.time()
+        # the worker running the most (its heartbeat's count, up to 0.5 s old)
+        busiest = max(deployment.status()["workers"], key=lambda worker: worker["running"])
+        assert busiest["running"] > 0
+        worker_id = busiest["id"]
+        chosen.append((f"worker-{worker_id.removeprefix('host-w')}", worker_id, owner_of(deployment, worker_id)))
+        deployment.hosts.cut(chosen[0][0])
         await until(lambda: all(output.finish_reason for output in outputs.values()), "every request's end", 120)
 
     outputs = run_with(deployment, fault)
+    host, worker_id, owner = chosen[0]
     check_same_as_baseline(outputs, baseline, "with a worker host cut off")
     check_streams(deployment, outputs)
-    assert "worker_dead worker_id=host-w1" in deployment.hosts.log(owner)
-    print(f"hosts: worker-1 cut off, longest stream gap {longest_gap(outputs):.2f} s")
+    assert f"worker_dead worker_id={worker_id}" in deployment.hosts.log(owner)
+    print(f"hosts: {host} cut off, longest stream gap {longest_gap(outputs):.2f} s")
     assert longest_gap(outputs) < 10.0
-    deployment.hosts.restore("worker-1")
-    log = lambda: deployment.hosts.log("worker-1")  # noqa: E731
+    deployment.hosts.restore(host)
+    log = lambda: deployment.hosts.log(host)  # noqa: E731
     asyncio.run(until(lambda: "event=stale_write" in log() or "event=plan_without_lease" in log(),
                       "the cut-off worker's late result refused once its link is back", 30))
-    # back: a worker again, leased by a scheduler, and the deployment serves on it
-    asyncio.run(until(lambda: sorted(len(scheduler["leases"]) for scheduler in deployment.schedulers()) in ([1, 1],
-                                                                                                         [0, 2]),
+    # back: a worker again, leased by a scheduler (one each, once any handover is done)
+    asyncio.run(until(lambda: sorted(len(scheduler["leases"]) for scheduler in deployment.schedulers()) == [1, 1],
                       "the worker back in a shard", 30))
 
 
