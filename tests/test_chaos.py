@@ -963,8 +963,9 @@ def check_the_other_scheduler_took_over(cluster: Cluster, stopped: str, outputs:
     taken_over_at = cluster.log_events("scheduler-2", "scheduler_taken_over")[0][0]
     assert [when for when, _ in cluster.log_events("scheduler-2", "worker_leased") if when >= taken_over_at - 0.01], \
         "scheduler-2 did not take the other's worker"
-    leases = sorted(worker for scheduler in schedulers_status(cluster) for worker in scheduler["leases"])
-    assert leases == ["chaos-w1", "chaos-w2"], f"leases after the takeover: {schedulers_status(cluster)}"
+    # (a worker handed over to a scheduler that joined again is unleased for up to a poll: wait)
+    leases = lambda: sorted(worker for scheduler in schedulers_status(cluster) for worker in scheduler["leases"])  # noqa: E731
+    asyncio.run(until(lambda: leases() == ["chaos-w1", "chaos-w2"], "every worker leased after the takeover", 10))
     gap = longest_gap(outputs)
     assert gap < 5.0, f"a stream waited {gap:.1f} s"
 
@@ -1044,14 +1045,16 @@ def test_one_of_two_schedulers_loses_its_only_worker_and_its_requests_finish_on_
         check_token_streams(cluster, outputs)
         check_nothing_left(cluster)
         assert cluster.log_events("scheduler-1", "admitted"), "scheduler-1 had taken no request"
-        [(let_go, _)] = cluster.log_events("scheduler-1", "no_worker_letting_go")
+        let_go = cluster.log_events("scheduler-1", "no_worker_letting_go")
+        assert let_go, "scheduler-1 kept its requests with no worker"
+        let_go = let_go[0][0]
         continued = [line for _, line in cluster.log_events("scheduler-2", "loaded request_id")
                      if "output_tokens=0" not in line]  # (taken with their output so far)
         assert continued, "scheduler-2 continued none of scheduler-1's requests"
-        schedulers = schedulers_status(cluster)
-        assert len(schedulers) == 2 and sorted(len(scheduler["leases"]) for scheduler in schedulers) == [0, 1]
-        gap = longest_gap(outputs)
-        assert gap < 5.0, f"a stream waited {gap:.1f} s"
+        asyncio.run(until(lambda: sorted(len(scheduler["leases"]) for scheduler in schedulers_status(cluster)) == [0, 1],
+                          "the live worker leased, the other scheduler standing by", 10))
+        gap = longest_gap(outputs)  # (a worker's death is noticed in 1.5 s, then its requests are rebuilt)
+        assert gap < Settings().stall_seconds, f"a stream waited {gap:.1f} s: as long as the stall fallback"
         report("one_of_two_schedulers_loses_its_worker", let_go_after_kill_seconds=round(let_go - times["killed"], 2),
                longest_stream_gap=round(gap, 2), tokens_recomputed=tokens_recomputed(cluster))
 
