@@ -1045,7 +1045,11 @@ def test_one_of_two_schedulers_loses_its_only_worker_and_its_requests_finish_on_
         check_token_streams(cluster, outputs)
         check_nothing_left(cluster)
         assert cluster.log_events("scheduler-1", "admitted"), "scheduler-1 had taken no request"
-        let_go = cluster.log_events("scheduler-1", "no_worker_letting_go")
+        # It lets go of them; or, its lease run out first (a slow turn under load), it finds itself
+        # taken over (or joins again and leaves them for the one with a worker).
+        let_go = cluster.log_events("scheduler-1", "no_worker_letting_go") or \
+            cluster.log_events("scheduler-1", "lease_lost scheduler_id") or \
+            cluster.log_events("scheduler-2", "scheduler_taken_over")
         assert let_go, "scheduler-1 kept its requests with no worker"
         let_go = let_go[0][0]
         continued = [line for _, line in cluster.log_events("scheduler-2", "loaded request_id")
