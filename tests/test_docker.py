@@ -9,6 +9,7 @@ it prints (`figures:`, with -s) go into docs/deployment.md.
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import socket
@@ -34,6 +35,7 @@ from tests.docker_env import (
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "tests" / "docker-compose.host.yml"
+SENTINEL_FILE = REPO / "tests" / "docker-compose.sentinel.host.yml"  # (over COMPOSE_FILE)
 IMAGE = "iterserve:test"
 MODEL = "smollm2-135m-instruct"
 PROMPTS = [f"Write about the sea, take {index}:" for index in range(6)]
@@ -49,18 +51,25 @@ def free_port() -> int:
 class Deployment:
     """One compose project on the test's engine."""
 
-    def __init__(self, engine: DockerEngine) -> None:
+    def __init__(self, engine: DockerEngine, *files: Path) -> None:
         self.engine = engine
+        self.files = [COMPOSE_FILE, *files]
         self.project = f"iterserve-test-{uuid.uuid4().hex[:8]}"
         self.gateway_port, self.redis_port = free_port(), free_port()
+        self.password = uuid.uuid4().hex
         self.env = dict(engine.env, ITERSERVE_IMAGE=IMAGE, ITERSERVE_REDIS_IMAGE=REDIS_IMAGE,
                         ITERSERVE_REDIS_PORT=str(self.redis_port), ITERSERVE_GATEWAY_PORT=str(self.gateway_port),
-                        ITERSERVE_REDIS_PASSWORD=uuid.uuid4().hex, ITERSERVE_WORKER_THREADS="1")
+                        ITERSERVE_REDIS_PASSWORD=self.password, ITERSERVE_WORKER_THREADS="1")
+        if SENTINEL_FILE in files:
+            self.sentinel_ports = [free_port() for _ in range(3)]
+            self.env |= {"ITERSERVE_REDIS_REPLICA_PORT": str(free_port())}
+            self.env |= {f"ITERSERVE_SENTINEL_PORT_{index + 1}": str(port)
+                         for index, port in enumerate(self.sentinel_ports)}
         self.url = f"http://127.0.0.1:{self.gateway_port}"
 
     def compose(self, *arguments: str, timeout: float = 300) -> str:
-        completed = run("docker-compose", "-p", self.project, "-f", str(COMPOSE_FILE), *arguments, env=self.env,
-                        timeout=timeout)
+        files = [part for file in self.files for part in ("-f", str(file))]
+        completed = run("docker-compose", "-p", self.project, *files, *arguments, env=self.env, timeout=timeout)
         return completed.stdout.decode(errors="replace")
 
     def status(self) -> dict:
@@ -90,7 +99,8 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment():
+def engine():
+    """The test's Docker engine, with the images built."""
     ensure_packages()
     figures = {}
     with DockerEngine() as engine:
@@ -100,19 +110,32 @@ def deployment():
                                                                   TORCH_INDEX=index), 1)
         size = engine.docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout.decode().strip()
         figures["project_image_mb"] = int(size) // 2**20
-        deployment = Deployment(engine)
-        try:
-            started = time.monotonic()
-            deployment.compose("up", "-d", "--scale", "worker=2")
-            figures["up_seconds"] = round(time.monotonic() - started, 1)
-            figures["healthy_with_2_workers_s"] = round(deployment.wait_workers(2), 1)
-            deployment.figures = figures
-            yield deployment
-        finally:
-            deployment.compose("down", "-v", "--remove-orphans", "--timeout", "15")
-            left = deployment.leftovers()
-            print(f"figures: docker {figures}")
-            assert not left, f"compose down left {left}"
+        engine.figures = figures
+        yield engine
+        print(f"figures: docker {figures}")
+
+
+@contextlib.contextmanager
+def deployed(engine: DockerEngine, workers: int, *files: Path):
+    deployment = Deployment(engine, *files)
+    try:
+        started = time.monotonic()
+        deployment.compose("up", "-d", "--scale", f"worker={workers}")
+        deployment.figures = engine.figures
+        deployment.figures["up_seconds" if not files else "sentinel_up_seconds"] = round(time.monotonic() - started, 1)
+        healthy = round(deployment.wait_workers(workers), 1)
+        deployment.figures[f"healthy_with_{workers}_workers_s" if not files else "sentinel_healthy_s"] = healthy
+        yield deployment
+    finally:
+        deployment.compose("down", "-v", "--remove-orphans", "--timeout", "15")
+        left = deployment.leftovers()
+        assert not left, f"compose down left {left}"
+
+
+@pytest.fixture(scope="module")
+def deployment(engine):
+    with deployed(engine, 2) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +223,57 @@ def test_a_redis_container_restart_mid_run_loses_no_request(deployment, client, 
     for prompt, (text, reason) in answers.items():
         assert (text, reason) == baseline[prompt], prompt
     deployment.wait_workers(1)
+
+
+def test_the_sentinel_compose_files_define_the_same_redis_group():
+    """The test's host-network Sentinel file runs what docker-compose.sentinel.yml runs."""
+    shipped = yaml.safe_load((REPO / "docker-compose.sentinel.yml").read_text())["services"]
+    tested = yaml.safe_load(SENTINEL_FILE.read_text())["services"]
+    assert set(shipped) == set(tested)
+    for name in ("redis", "redis-replica"):  # append-only, fsync, password, the primary's password
+        assert tested[name]["command"][:6] == shipped[name]["command"][:6], name
+        assert "--masterauth" in tested[name]["command"] and "--replica-announce-ip" in tested[name]["command"]
+    assert "--replicaof" in tested["redis-replica"]["command"]
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        for setting in ("down-after-milliseconds iterserve 1000", "failover-timeout iterserve 10000",
+                        "parallel-syncs iterserve 1", "auth-pass iterserve", " 2\\n", "--sentinel"):
+            assert setting in shipped[name]["command"][0] and setting in tested[name]["command"][0], (name, setting)
+    for name in ("gateway", "scheduler", "worker"):
+        assert tested[name]["environment"]["REDIS_URL"].startswith("redis+sentinel://")
+        assert tested[name]["environment"]["ITERSERVE_REDIS_WAIT_REPLICAS"] == "1"
+
+
+def test_the_sentinel_deployment_serves_through_the_sentinels_and_a_killed_primary_loses_no_request(engine):
+    """docker-compose.sentinel.yml's Redis group in containers: the primary container SIGKILLed with
+    streams in flight; the Sentinels promote the replica, every service follows, and every stream
+    completes with the output it has without a fault."""
+    import redis as redis_client
+
+    with deployed(engine, 1, SENTINEL_FILE) as deployment:
+        client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="unused", timeout=300, max_retries=0)
+        expected = {prompt: (choice.text, choice.finish_reason) for prompt in PROMPTS[:3]
+                    for choice in client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                            temperature=0).choices}
+        sentinel = redis_client.Redis(host="127.0.0.1", port=deployment.sentinel_ports[0], socket_timeout=5)
+        try:
+            def primary_port() -> int:
+                return int(sentinel.execute_command("SENTINEL", "get-master-addr-by-name", "iterserve")[1])
+            assert primary_port() == deployment.redis_port
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                futures = {prompt: pool.submit(stream_text, client, prompt) for prompt in PROMPTS[:3]}
+                time.sleep(1.0)
+                killed = time.monotonic()
+                deployment.compose("kill", "-s", "SIGKILL", "redis", timeout=60)
+                deadline = time.monotonic() + 60
+                while primary_port() == deployment.redis_port:
+                    assert time.monotonic() < deadline, deployment.compose("logs", "--tail=30")
+                    time.sleep(0.2)
+                deployment.figures["sentinel_promoted_after_kill_s"] = round(time.monotonic() - killed, 1)
+                answers = {prompt: future.result(timeout=300) for prompt, future in futures.items()}
+                deployment.figures["sentinel_streams_done_after_kill_s"] = round(time.monotonic() - killed, 1)
+        finally:
+            sentinel.close()
+        assert answers == expected
+        # after the failover, a new request is served by the promoted replica
+        after = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+        assert (after.choices[0].text, after.choices[0].finish_reason) == expected[PROMPTS[0]]
