@@ -112,6 +112,28 @@ class ModelKeys:
         """Hash worker id -> how many times its lease changed owner: its fencing token, which only grows."""
         return self._key("lease:changes")
 
+    @cached_property
+    def scheduler_rooms(self) -> str:
+        """Hash scheduler id -> how many more requests it takes now (written at each poll and claim):
+        a request whose prefix another's worker holds is left to that one only while it has room."""
+        return self._key("scheduler:rooms")
+
+    @cached_property
+    def key_turns(self) -> str:
+        """Hash client key -> the turn (key_turn's count) at which a scheduler last took a request of
+        that key: the schedulers take waiting requests key by key, the one served longest ago first."""
+        return self._key("keys:turn")
+
+    @cached_property
+    def key_turn(self) -> str:
+        """Counter: requests taken by the model's schedulers (the clock of key_turns)."""
+        return self._key("keys:turns")
+
+    def prefix_anchor(self, anchor: str) -> str:
+        """A prefix anchor (shared/prefix_anchors.py) -> the id of the scheduler that last loaded or
+        ended a request holding it, for a while (PREFIX_ANCHOR_SECONDS): where its KV probably is."""
+        return self._key(f"prefix:{anchor}")
+
 
 # The epochs of one of several schedulers start so (its id): a worker answers their plans in the
 # scheduler's own result stream, checked against its worker_lease, not ModelKeys.incarnation.

@@ -110,6 +110,9 @@ class Cluster:
                 service.process.wait(timeout=STOP_TIMEOUT_SECONDS)
             service.log_file.close()
         self.redis.stop(kill=True)
+        if os.environ.get("ITERSERVE_TEST_KEEP_LOGS"):  # (a directory: each cluster's logs copied there)
+            keep = Path(os.environ["ITERSERVE_TEST_KEEP_LOGS"]) / self.directory.name
+            shutil.copytree(self.directory, keep, ignore=shutil.ignore_patterns("redis*"), dirs_exist_ok=True)
         shutil.rmtree(self.directory, ignore_errors=True)
 
     # Services
@@ -223,17 +226,27 @@ class Cluster:
     def redis_client(self) -> redis.Redis:
         return sync_client(self.redis.url, 10)
 
+    def _named(self, service: Service, name: str) -> bool:
+        """"scheduler" names every scheduler of the cluster (scheduler-1, scheduler-2 ... with several)."""
+        return service.name == name or (name == "scheduler" and service.name in self.scheduler_names)
+
     def log(self, name: str) -> str:
         """Every log of the services of that name (a restarted one has several), oldest first."""
         return "".join(service.log_path.read_text(errors="replace") for service in self.history
-                       if service.name == name and service.log_path.exists())
+                       if self._named(service, name) and service.log_path.exists())
+
+    def logs(self, name: str) -> list[str]:
+        """Each process's log, apart: one for each scheduler ("scheduler") and each restart."""
+        return [service.log_path.read_text(errors="replace") for service in self.history
+                if self._named(service, name) and service.log_path.exists()]
 
     def log_events(self, name: str, event: str) -> list[tuple[float, str]]:
-        """(unix time, line) of each log line of that service containing `event`."""
+        """(unix time, line) of each log line of that service (every scheduler's, for "scheduler")
+        containing `event`, in time order."""
         found = []
         for line in self.log(name).splitlines():
             match = LOG_TIME.match(line)
             if match and event in line:
                 when = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
                 found.append((when, line))
-        return found
+        return sorted(found, key=lambda event_found: event_found[0])

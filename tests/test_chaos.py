@@ -3,7 +3,8 @@ Redis, all on 127.0.0.1), and what must hold afterwards: nothing lost, nothing d
 output unchanged.
 
 Every scenario runs against the model, and against emulated workers (`executor` below: plans of one
-step, of 4, and as long as a time).
+step, of 4, and as long as a time), each with one scheduler and with two (`schedulers`: each leasing
+one of the two workers, services/scheduler/shards.py), compared with the same fault-free run of one.
 Greedy and seeded requests are deterministic (the randomness of token k is a function of the
 request's seed and k only), so each scenario's outputs are compared with a fault-free run of the
 same requests (the module's `baseline`). Each test runs its own Cluster (tests/cluster.py): every
@@ -44,6 +45,7 @@ STEPS_A_PLAN = 1  # the executor's scheduler_steps (each plan in flight may samp
 TOKENS_A_STEP = 1  # the most tokens one step makes for a request (1 + its proposals, speculating)
 REPORT: dict[str, dict] = {}  # what each fault cost, filled by the tests
 REPORT_SUFFIX = ""  # the executor of the scenarios running now: "" for the model, "@emulated"
+SCHEDULERS_SUFFIX = ""  # and their schedulers: "" for one, "+2-schedulers"
 
 # Workloads
 
@@ -379,7 +381,8 @@ async def until_kv_all_free(cluster: Cluster, timeout: float = 10.0) -> float:
 
 
 def report(scenario: str, **measures: object) -> None:
-    REPORT.setdefault(scenario + REPORT_SUFFIX, {}).update(measures)
+    several = "" if scenario.startswith("one_of_two_schedulers") else SCHEDULERS_SUFFIX  # (those have two)
+    REPORT.setdefault(scenario + several + REPORT_SUFFIX, {}).update(measures)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -442,6 +445,17 @@ def executor(request) -> dict[str, str]:
     speculative = json.loads(EXECUTORS[request.param].get("speculative_config", "{}"))
     TOKENS_A_STEP = 1 + speculative.get("num_speculative_tokens", 0)
     return EXECUTORS[request.param]
+
+
+# One scheduler, and two (each leasing a shard of the workers: services/scheduler/shards.py): every
+# scenario below runs with both, and is compared with the same fault-free run (one scheduler).
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-scheduler", "2-schedulers"])
+def schedulers(request) -> int:
+    global SCHEDULERS_SUFFIX
+    SCHEDULERS_SUFFIX = "" if request.param == 1 else f"+{request.param}-schedulers"
+    yield request.param
+    SCHEDULERS_SUFFIX = ""
 
 
 # The fault-free run
@@ -616,9 +630,9 @@ def requests_by_seed(client) -> dict[int, str]:
     return found
 
 
-def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unchanged(baseline, executor):
+def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unchanged(baseline, executor, schedulers):
     started = time.monotonic()
-    with Cluster(**executor, workers=2, max_batch_size=128) as cluster:
+    with Cluster(**executor, workers=2, max_batch_size=128, schedulers=schedulers) as cluster:
         asyncio.run(cancel_one_long_request(cluster))
         storm_started = time.monotonic()
         results = asyncio.run(storm(cluster))
@@ -691,8 +705,9 @@ def test_cancellation_storm_frees_every_block_and_leaves_uncancelled_outputs_unc
            test_seconds=round(time.monotonic() - started, 1))
 
 
-def test_kv_pressure_preempts_the_youngest_and_outputs_are_unchanged(baseline, executor):
-    with Cluster(**executor, workers=1, kv_blocks=10) as cluster:  # 160 tokens: two of these requests at their longest
+def test_kv_pressure_preempts_the_youngest_and_outputs_are_unchanged(baseline, executor, schedulers):
+    # (10 blocks, 160 tokens: two of these requests at their longest)
+    with Cluster(**executor, workers=1, kv_blocks=10, schedulers=schedulers) as cluster:
         outputs = asyncio.run(run_all(cluster, PRESSURE, lambda outputs: asyncio.sleep(0), stream=False))
         asyncio.run(until_kv_all_free(cluster))
         check_same_as_baseline(outputs, baseline, "under KV pressure")
@@ -716,31 +731,33 @@ def check_each_preemption_took_the_youngest(cluster: Cluster, outputs: dict[str,
                    for output in outputs.values()}
     finally:
         client.close()
-    running: set[str] = set()
     line_pattern = re.compile(r"^\S+ \S+ \S+ \S+ (admitted|preempted|finished) request_id=(\S+)")
     victims = 0
-    for line in cluster.log("scheduler").splitlines():
-        match = line_pattern.match(line)
-        if match is None or match.group(2) not in arrival:
-            continue
-        event, request_id = match.groups()
-        if event == "admitted":
-            running.add(request_id)
-        elif event == "preempted":
-            youngest = max(running, key=lambda other: arrival[other])
-            assert request_id == youngest, f"preempted {request_id}, but {youngest} arrived later"
-            running.discard(request_id)
-            victims += 1
-        else:
-            running.discard(request_id)
+    for text in cluster.logs("scheduler"):  # (each scheduler's apart: one preempts among its own requests)
+        running: set[str] = set()
+        for line in text.splitlines():
+            match = line_pattern.match(line)
+            if match is None or match.group(2) not in arrival:
+                continue
+            event, request_id = match.groups()
+            if event == "admitted":
+                running.add(request_id)
+            elif event == "preempted":
+                youngest = max(running, key=lambda other: arrival[other])
+                assert request_id == youngest, f"preempted {request_id}, but {youngest} arrived later"
+                running.discard(request_id)
+                victims += 1
+            else:
+                running.discard(request_id)
     assert victims > 0, "no preemption found in the log"
 
 
 # Worker faults
 
 
-def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_duplicate(baseline, executor):
-    with Cluster(**executor, workers=2) as cluster:
+def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_duplicate(
+        baseline, executor, schedulers):
+    with Cluster(**executor, workers=2, schedulers=schedulers) as cluster:
         killed: dict[str, float] = {}
         victim: list[str] = []
 
@@ -771,14 +788,15 @@ def test_sigkill_a_worker_mid_run_outputs_equal_a_fault_free_run_with_no_gap_or_
                tokens_recomputed=tokens_recomputed(cluster))
 
 
-def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_token_exact(baseline, executor):
+def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_token_exact(
+        baseline, executor, schedulers):
     """An engine that can no longer compute (tests/faulty_worker.py: the forward pass raises a
     device-side assert from its 13th call) is not a failed plan but a broken worker: it deregisters
     and exits non-zero, and its requests are rebuilt on the other worker with the same output."""
     from services.worker.service import ENGINE_BROKEN_EXIT_CODE
     from tests.faulty_worker import INJECTED
 
-    with Cluster(**executor, workers=1) as cluster:
+    with Cluster(**executor, workers=1, schedulers=schedulers) as cluster:
         faulty = cluster.start_worker(module="tests.faulty_worker", ITERSERVE_TEST_BREAK_AFTER_STEPS="12")
         cluster.wait_ready(2)
         outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, lambda outputs: asyncio.sleep(0)))
@@ -801,14 +819,14 @@ def test_a_worker_whose_engine_breaks_leaves_and_its_requests_finish_elsewhere_t
         report("engine_fault", requests_on_faulty_worker=len(ran_there), tokens_recomputed=tokens_recomputed(cluster))
 
 
-def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_new_one(baseline, executor):
+def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_new_one(baseline, executor, schedulers):
     # Long enough for a handover to finish on a loaded machine, short enough that the last worker
     # leaves requests unfinished. Emulated: the slower a100-qwen2.5-32b (~43 ms steps, 40-token
     # requests take ~1.7 s; emulated tokens do not depend on the profile, so the baseline holds).
     emulated = executor.get("executor") == "emulated"
     settings = executor | {"hardware": "a100-qwen2.5-32b"} if emulated else executor
     drain_seconds = 0.8 if emulated else 2.0
-    with Cluster(**settings, workers=2, drain_seconds=drain_seconds) as cluster:
+    with Cluster(**settings, workers=2, drain_seconds=drain_seconds, schedulers=schedulers) as cluster:
         stopped: dict[str, float] = {}
         names: list[str] = []
 
@@ -874,14 +892,15 @@ def test_sigterm_hands_over_then_the_last_worker_drains_and_requests_wait_for_a_
 # Scheduler, Redis and gateway faults
 
 
-def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline, executor):
-    with Cluster(**executor, workers=2) as cluster:
+def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline, executor, schedulers):
+    with Cluster(**executor, workers=2, schedulers=schedulers) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
+        victim = cluster.scheduler_names[0]  # (with two, the other runs on: a new one joins beside it)
 
         async def fault(outputs: dict[str, Output]) -> None:
             await until(all_have(outputs, 8), "8 tokens in every stream")
-            times["killed"] = cluster.kill("scheduler")
+            times["killed"] = cluster.kill(victim)
             times["killed_monotonic"] = time.monotonic()
             # Accepted while no scheduler runs: they wait in Redis for the next one.
             async with session() as http:
@@ -891,7 +910,7 @@ def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline, executor):
                 ]
                 await asyncio.sleep(1.0)
                 times["restarted"] = time.time()
-                cluster.start("scheduler")
+                cluster.start("scheduler", victim)
                 await asyncio.gather(*accepted)
 
         outputs = asyncio.run(run_all(cluster, FAULT_WORKLOAD, fault))
@@ -899,8 +918,8 @@ def test_sigkill_the_scheduler_mid_run_and_start_a_new_one(baseline, executor):
         check_same_as_baseline(extra, baseline, "accepted while the scheduler was down")
         check_token_streams(cluster, outputs)
         check_nothing_left(cluster)
-        loaded = cluster.log_events("scheduler", "pool_loaded")
-        assert len(loaded) == 2, "the new scheduler did not load the pool"
+        loaded = cluster.log_events(victim, "pool_loaded" if schedulers == 1 else "scheduler_joining")
+        assert len(loaded) == 2, "the new scheduler did not load the pool (or join)"
         check_recovered_by_liveness_not_by_the_stall_fallback(cluster, outputs)
         resumed = min(t for output in outputs.values() for _, _, t in output.pieces if t > times["killed_monotonic"])
         report("scheduler_sigkill", restart_to_pool_loaded_seconds=round(loaded[-1][0] - times["restarted"], 2),
@@ -1066,6 +1085,14 @@ def test_one_of_two_schedulers_loses_its_only_worker_and_its_requests_finish_on_
 def check_pool_loaded_again_after_the_redis_restart(cluster: Cluster) -> None:
     """The scheduler saw Redis's new run_id once and loaded the pool again under a new epoch, and
     no worker's entry of an older plan landed after that (check_token_streams: no gap)."""
+    if len(cluster.scheduler_names) > 1:
+        # Several: each joins again under a new id, having seen the new run_id, or its lease gone
+        # first (Redis down longer than a lease, or a promoted replica without the last renewal).
+        for name in cluster.scheduler_names:
+            left = cluster.log_events(name, "redis_restarted") + cluster.log_events(name, "lease_lost")
+            joins = cluster.log_events(name, "scheduler_joining")
+            assert left and len(joins) >= 2 and joins[-1][0] >= min(left)[0], (name, left, joins)
+        return
     restarts = cluster.log_events("scheduler", "redis_restarted")
     loads = cluster.log_events("scheduler", "pool_loaded")
     assert len(restarts) == 1 and len(loads) == 2, (restarts, loads)
@@ -1085,12 +1112,12 @@ async def extra_after_redis_restart(cluster: Cluster, restarted: tuple[float, fl
 
 
 @pytest.mark.parametrize("down_seconds", [0.0, 3.0], ids=["at-once", "down-3s"])
-def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_seconds):
+def test_restart_redis_mid_run_every_request_completes(baseline, executor, schedulers, down_seconds):
     """Redis (`appendfsync everysec`) may lose its last writes with its process, acknowledged or
     not (docs/operations.md, "fsync policy"), so on its new run_id the scheduler loads the pool again as a new
     scheduler would, and every request runs on, exact, from what Redis kept. Down 3 s: the
     workers' heartbeat keys expire meanwhile; the new epoch finds them again as they beat."""
-    with Cluster(**executor, workers=2) as cluster:
+    with Cluster(**executor, workers=2, schedulers=schedulers) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
 
@@ -1116,14 +1143,14 @@ def test_restart_redis_mid_run_every_request_completes(baseline, executor, down_
 
 
 def test_sigkill_the_redis_primary_sentinel_promotes_its_replica_and_every_accepted_request_completes(
-        baseline, executor):
+        baseline, executor, schedulers):
     """A Redis that fails over (a primary, a replica, three Sentinels; every service through the
     Sentinels; a request accepted once the replica holds it): the primary SIGKILLed mid-run, as when
     its host is lost. The Sentinels promote the replica, every service's next connection goes to
     it, the scheduler loads the pool from it as after a restart (another run_id), and every request,
     those running and those accepted during the failover, completes exact, with no gap or duplicate
     in its stream. The old primary, started again, is made a replica of the new one."""
-    with Cluster(**executor, workers=2, redis_replicas=1) as cluster:
+    with Cluster(**executor, workers=2, redis_replicas=1, schedulers=schedulers) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
 
@@ -1159,7 +1186,7 @@ def test_sigkill_the_redis_primary_sentinel_promotes_its_replica_and_every_accep
                longest_stream_gap=round(longest_gap(outputs), 2), tokens_recomputed=tokens_recomputed(cluster))
 
 
-def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_gap(baseline, executor):
+def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_gap(baseline, executor, schedulers):
     """Redis killed with its last writes lost, as `appendfsync everysec` loses them when an fsync
     is slow (or with its machine): its append-only file is cut back to a second before the kill.
     The plans, results, token entries and heartbeats of the lost 0.6 s are gone, while
@@ -1167,7 +1194,8 @@ def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_g
     Redis kept: every request completes exact, with no gap or duplicate in its stream. Two requests
     accepted in the lost 0.6 s (their every key gone) are submitted again by the gateway that
     accepted them, and their clients get the whole output, exact, with nothing twice."""
-    with Cluster(**executor, workers=2, redis_args=("--aof-timestamp-enabled", "yes")) as cluster:
+    with Cluster(**executor, workers=2, redis_args=("--aof-timestamp-enabled", "yes"),
+                 schedulers=schedulers) as cluster:
         times: dict[str, float] = {}
         extra: dict[str, Output] = {}
         counts: dict[str, int] = {}
@@ -1216,9 +1244,9 @@ def test_redis_loses_its_last_writes_and_every_request_completes_exact_with_no_g
                lost_requests_longest_stream_gap=round(longest_gap(lost), 2))
 
 
-def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline, executor):
+def test_sigkill_the_gateway_and_clients_reattach_from_their_last_event(baseline, executor, schedulers):
     specs = FAULT_WORKLOAD[:6]
-    with Cluster(**executor, workers=2) as cluster:
+    with Cluster(**executor, workers=2, schedulers=schedulers) as cluster:
         times: dict[str, float] = {}
 
         async def fault(outputs: dict[str, Output]) -> None:

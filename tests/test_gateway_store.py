@@ -107,3 +107,30 @@ async def test_a_request_gone_for_good_ends_in_error(redis_url, quick_status_che
         assert len(submissions) == (MAX_RESUBMITS if resubmits else 0)
     finally:
         await redis.aclose()
+
+
+async def test_with_several_schedulers_a_new_request_entry_says_its_key_length_and_prefix(redis_url):
+    """What the schedulers choose by (services/scheduler/shards.py, CLAIM_SCRIPT); one scheduler reads
+    the id alone."""
+    from services.scheduler.shards import NewRequest
+    from shared import prefix_anchors
+
+    redis = connect(redis_url)
+    prompt = tuple(range(500, 700))
+    pools = {True: keys.ModelKeys("store-test-sharded"), False: keys.ModelKeys("store-test-one")}
+    try:
+        for sharded, pool in pools.items():
+            record = RequestRecord(request_id=f"cmpl-{int(sharded)}{'cd' * 15}c", prompt_token_ids=prompt,
+                                   sampling=SamplingParams(), arrival_time=time.time(), client_key="key-1")
+            await Store(redis, sharded=sharded).submit(record, model_keys=pool)
+            [(_, fields)] = await redis.xrange(pool.new_requests)
+            if sharded:
+                assert NewRequest.of_entry(record.request_id, fields) == NewRequest(
+                    record.request_id, "key-1", 200, "".join(anchor.hex() for anchor in prefix_anchors.anchors(prompt)))
+            else:
+                assert fields == {b"id": record.request_id.encode()}
+    finally:
+        for pool in pools.values():
+            await redis.delete(pool.new_requests, pool.active_requests)
+        await redis.delete(*(keys.request_key(f"cmpl-{index}{'cd' * 15}c") for index in (0, 1)))
+        await redis.aclose()

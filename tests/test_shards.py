@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from services.scheduler.redis_link import LeaseLost, RedisLink
-from services.scheduler.shards import ShardMembership
-from shared import keys
+from services.scheduler.shards import NewRequest, ShardMembership
+from shared import keys, prefix_anchors
 
 LEASE_MS = 2000
 MODEL_KEYS = keys.SINGLE_MODEL
@@ -24,6 +24,11 @@ async def register_workers(redis_client, *worker_ids: str) -> None:
     for worker_id in worker_ids:
         await redis_client.sadd(MODEL_KEYS.workers, worker_id)
         await redis_client.set(keys.worker_heartbeat(worker_id), b"alive", px=60_000)
+
+
+def new_requests(*request_ids: str, client_key: str = "", tokens: tuple[int, ...] = ()) -> list[NewRequest]:
+    anchors = "".join(anchor.hex() for anchor in prefix_anchors.anchors(tokens))
+    return [NewRequest(request_id, client_key, len(tokens), anchors) for request_id in request_ids]
 
 
 async def test_the_round_trip_of_a_scheduler_taken_over_writes_nothing(redis_client):
@@ -76,8 +81,9 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
         assert await redis_client.get(keys.worker_lease(worker_id)) == f"b {run_id}".encode()
     # b takes two requests; a request nobody took waits for whoever has room
     await redis_client.sadd(MODEL_KEYS.active_requests, "r1", "r2", "r3")
-    assert sorted(await b.claim(["r1", "r2"])) == ["r1", "r2"]
-    assert await a.claim(["r1"]) == []  # b's
+    taken, _ = await b.claim(new_requests("r1", "r2"), 8, 0.5, True)
+    assert sorted(taken) == ["r1", "r2"]
+    assert await a.claim(new_requests("r1"), 8, 0.5, True) == ([], ["r1"])  # b's: a forgets it
     # b dies: its lease runs out (deleted here, as the time to live would)
     await redis_client.delete(MODEL_KEYS.scheduler_lease("b"))
     poll = await a.poll(taken_a)
@@ -91,7 +97,7 @@ async def test_workers_are_shared_out_and_a_dead_schedulers_workers_and_requests
     with pytest.raises(LeaseLost):
         await b.poll(taken_b)
     with pytest.raises(LeaseLost):
-        await b.claim(["r3"])
+        await b.claim(new_requests("r3"), 8, 0.5, True)
     assert await redis_client.hget(MODEL_KEYS.request_owners, "r3") is None
     assert (await a.poll(sorted(taken_a + taken_b))).unclaimed == 1  # r3 waits in Redis
     # r3, owned by nobody, waits for a scheduler with room
@@ -188,3 +194,87 @@ async def test_a_worker_runs_a_plan_only_under_its_schedulers_lease(redis_client
     await redis_client.set(keys.worker_lease("w1"), "s-other runid")
     assert await under_lease(plan("s-new"))  # (the same epoch: not looked up again)
     assert not await under_lease(plan("s-old"))
+
+
+async def test_waiting_requests_are_taken_key_by_key_in_turn_across_schedulers(redis_client):
+    """One key floods the queue: whichever scheduler has room next takes the key served longest ago
+    by any of them (the turns live in Redis), not the oldest request."""
+    a, b = (ShardMembership(link_of(redis_client, name), name, LEASE_MS) for name in ("a", "b"))
+    await a.poll([])
+    await b.poll([])
+    flood = new_requests(*(f"f{index}" for index in range(6)), client_key="flood")
+    quiet = new_requests("q1", client_key="quiet")
+    taken, _ = await a.claim(flood + quiet, 2, 0.5, True)
+    assert taken == ["f0", "q1"]  # one of each key, though q1 came last
+    # a second request of the quiet key arrives behind the rest of the flood; b has room for one:
+    # the flood's key was served longer ago (f0, before q1), so b takes f1 ...
+    later = flood[1:] + new_requests("q2", client_key="quiet")
+    taken, forget = await b.claim(later, 1, 0.5, True)
+    assert (taken, forget) == (["f1"], [])
+    # ... and then a, with room for one, takes q2 ahead of the four older flood requests
+    taken, _ = await a.claim(later[1:], 1, 0.5, True)
+    assert taken == ["q2"]
+    taken, _ = await b.claim(later[1:], 8, 0.5, True)
+    assert taken == ["f2", "f3", "f4", "f5"]  # (q2 is a's: b forgets it)
+
+
+async def test_a_request_whose_prefix_another_schedulers_worker_holds_is_left_to_it_while_it_has_room(redis_client):
+    a_link, b_link = link_of(redis_client, "a"), link_of(redis_client, "b")
+    a, b = ShardMembership(a_link, "a", LEASE_MS), ShardMembership(b_link, "b", LEASE_MS)
+    await a.poll([], room=8)
+    await b.poll([], room=8)
+    document = tuple(range(1000, 1000 + 600))  # a long shared prefix (600 tokens: 8 chunks' anchor)
+    b.queue_anchors([document + (7, 8, 9)])  # b ran a request on it
+    await b_link.round_trip(block_ms=None, read=False)
+    follow_up = new_requests("r1", tokens=document + (1, 2, 3, 4, 5))
+    assert await a.claim(follow_up, 8, 0.5, True) == ([], ["r1"])  # b's worker holds its prefix
+    assert await b.claim(follow_up, 8, 0.5, True) == (["r1"], [])
+    # not while b has no room, nor when the shared part is under the threshold, nor prefix-unaware
+    await b.poll([], room=0)
+    assert await a.claim(new_requests("r2", tokens=document + (6,)), 8, 0.5, True) == (["r2"], [])
+    await b.poll([], room=8)
+    short = new_requests("r3", tokens=document[:128] + tuple(range(5000, 5400)))  # 128 of 528 tokens shared
+    assert await a.claim(short, 8, 0.5, True) == (["r3"], [])
+    assert await a.claim(new_requests("r4", tokens=document), 8, 0.5, False) == (["r4"], [])
+    assert await a.claim(new_requests("r5", tokens=document), 8, 0.5, True) == ([], ["r5"])
+    # nor when b is gone: its anchors name a scheduler whose lease no longer holds
+    await redis_client.delete(MODEL_KEYS.scheduler_lease("b"))
+    assert await a.claim(new_requests("r6", tokens=document), 8, 0.5, True) == (["r6"], [])
+    await a_link.exchange.close()
+    await b_link.exchange.close()
+
+
+def test_prefix_anchors_name_a_sequences_first_chunks_the_same_everywhere():
+    tokens = list(range(3000, 3000 + 700))
+    found = prefix_anchors.anchors(tokens)
+    assert len(found) == 6  # 10 full chunks of 64: depths 1, 2, 3, 4, 6, 8
+    assert prefix_anchors.anchors(tokens[:64 * 4]) == found[:4]  # a prefix's anchors begin a longer one's
+    changed = tokens[:]
+    changed[130] += 1  # in the third chunk: the anchors from there on differ, the first two do not
+    assert prefix_anchors.anchors(changed)[:2] == found[:2]
+    assert not set(prefix_anchors.anchors(changed)[2:]) & set(found)
+    assert prefix_anchors.anchors(tokens[:63]) == []
+    assert len(prefix_anchors.anchors(list(range(10_000)))) == len(prefix_anchors.DEPTHS)  # (4096 tokens at most)
+    assert prefix_anchors.unpacked(prefix_anchors.packed(tokens)) == found
+    assert prefix_anchors.unpacked(b"short") == []  # malformed: no hint
+    entry = {b"id": b"r1", b"k": b"key", b"n": b"700", b"a": prefix_anchors.packed(tokens)}
+    assert NewRequest.of_entry("r1", entry) == NewRequest("r1", "key", 700, "".join(a.hex() for a in found))
+    assert NewRequest.of_entry("r1", {b"id": b"r1", b"n": b"many"}) == NewRequest("r1")
+
+
+async def test_a_poll_on_a_restarted_redis_writes_nothing_until_the_scheduler_joins_it_anew(redis_client):
+    """A Redis restarted may have lost its last writes: a worker lease renewed on it with its new run_id
+    would let that worker's writes of plans made before the restart land after the lost entries."""
+    from services.scheduler.redis_link import RedisRestarted
+
+    link = link_of(redis_client, "a")
+    a = ShardMembership(link, "a", LEASE_MS)
+    link.run_id = (await a.poll([])).run_id
+    await register_workers(redis_client, "w1")
+    assert (await a.poll([])).taken_workers == ["w1"]
+    await redis_client.delete(keys.worker_lease("w1"))  # as the lost writes would have it
+    link.run_id = "f" * 40  # (the server it joined: another one than this)
+    with pytest.raises(RedisRestarted):
+        await a.poll(["w1"])
+    assert await redis_client.get(keys.worker_lease("w1")) is None
+    await link.exchange.close()

@@ -117,7 +117,7 @@ async def _open_redis(app: web.Application) -> None:
     state = app[STATE]
     settings = state.settings
     state.store = Store(connect(settings.redis_url), settings.redis_wait_replicas, settings.redis_wait_ms,
-                        state.metrics.unreplicated_acceptances.inc)
+                        state.metrics.unreplicated_acceptances.inc, sharded=settings.schedulers > 1)
 
 
 async def _close_redis(app: web.Application) -> None:

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.gateway.errors import ServiceUnavailable
-from shared import keys
+from shared import keys, prefix_anchors
 from shared.keys import ModelKeys
 from shared.messages import IterationRecord, PromptLogprobsChunk, RequestRecord, SchedulerInfo, TokenEvent, WorkerInfo
 from shared.wire import WireError, decode, decode_token_event, encode
@@ -105,10 +105,12 @@ class Store:
     """The gateway's Redis client with every call bounded and none ever cancelled."""
 
     def __init__(self, redis: aioredis.Redis, wait_replicas: int = 0, wait_ms: int = 1000,
-                 unreplicated: Callable[[], None] = lambda: None) -> None:
+                 unreplicated: Callable[[], None] = lambda: None, sharded: bool = False) -> None:
         """wait_replicas: a request is accepted once this many replicas hold it, or after wait_ms
-        (then `unreplicated` is called)."""
+        (then `unreplicated` is called). sharded: several schedulers a model (Settings.schedulers):
+        a new request's entry says what they choose by (services/scheduler/shards.py, CLAIM_SCRIPT)."""
         self.redis = redis
+        self.sharded = sharded
         self.wait_replicas, self.wait_ms, self.unreplicated = wait_replicas, wait_ms, unreplicated
         self._calls: set[asyncio.Task] = set()
         self._cancel_script = redis.register_script(CANCEL_SCRIPT)
@@ -170,7 +172,7 @@ class Store:
                     fields["tool_format"] = tool_format
                 pipe.hset(keys.request_key(request_id), mapping=fields)
                 pipe.sadd(model_keys.active_requests, request_id)
-                pipe.xadd(model_keys.new_requests, {"id": request_id})
+                pipe.xadd(model_keys.new_requests, self._new_entry(record))
                 await pipe.execute()
             if self.wait_replicas:  # accepted once a replica holds it: a failover loses no accepted request
                 held_by = await self.redis.execute_command("WAIT", self.wait_replicas, self.wait_ms)
@@ -187,6 +189,15 @@ class Store:
                 log.warning("cancel failed id=%s error=%s", request_id, error.message)
 
         await self._call(transaction(), on_late_success=cancel_orphan)
+
+    def _new_entry(self, record: RequestRecord) -> dict[str, Any]:
+        """A new-request entry: the id; for several schedulers also its client key (they take waiting
+        requests key by key in turn), its prompt's length and its prefix anchors (the scheduler whose
+        worker holds its prefix takes it: shared/prefix_anchors.py)."""
+        if not self.sharded:
+            return {"id": record.request_id}
+        return {"id": record.request_id, "k": record.client_key, "n": len(record.prompt_token_ids),
+                "a": prefix_anchors.packed(record.prompt_token_ids)}
 
     async def cancel(self, request_id: str, model_keys: ModelKeys = keys.SINGLE_MODEL) -> None:
         """Flag the request cancelled in its hash (read by a scheduler that loads it later), then

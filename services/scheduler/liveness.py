@@ -48,7 +48,8 @@ return {listed, ids, values, run_id}
 
 class WorkerLiveness:
     def __init__(self, link: RedisLink, policy: SchedulerPolicy, stall_seconds: float,
-                 shards: ShardMembership | None = None, room: Callable[[], int] = lambda: 0) -> None:
+                 shards: ShardMembership | None = None, room: Callable[[], int] = lambda: 0,
+                 nothing_pending: Callable[[], bool] = lambda: True) -> None:
         self.link, self.policy = link, policy
         self.stall_seconds = stall_seconds
         self._started_at: dict[str, float] = {}
@@ -57,12 +58,13 @@ class WorkerLiveness:
         self.held: set[str] = set()  # (then) the workers it holds
         self.claimed: list[str] = []  # (then) requests it took at a poll, to load
         self.room = room  # (then) how many more requests it takes now
+        self.nothing_pending = nothing_pending  # (then) whether none of the new requests it read waits for its room
         self.others_holding = 0  # (then) other live schedulers holding a worker, at the last poll
         self.handing_over: str | None = None  # (then) a worker drained to give its lease to one that holds fewer
 
     async def _poll_shards(self) -> None:
         """One of several schedulers: renew its leases, take over, take workers and requests."""
-        shard = await self.shards.poll(sorted(self.held), self.room())
+        shard = await self.shards.poll(sorted(self.held), self.room(), self.nothing_pending())
         if not self.link.run_id:
             self.link.run_id = shard.run_id  # (its join: the server its leases name)
         elif shard.run_id != self.link.run_id:
@@ -129,7 +131,8 @@ class WorkerLiveness:
                                       info.kv_identity)
             self._started_at[worker_id] = info.started_at
             self.executors[worker_id] = info.executor
-            self.policy.set_draining(worker_id, info.draining or worker_id == self.handing_over)
+            self.policy.set_draining(worker_id, info.draining or worker_id == self.handing_over,
+                                     elsewhere=self.others_holding > 0)
         if self.handing_over is not None:
             await self._hand_over()
 

@@ -138,6 +138,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         # into its next record (worker id -> (cancelled, preempted)).
         self._left_since_record: dict[str, tuple[list[str], list[str]]] = {}
         self._finished_without_token: list[RequestState] = []
+        self.ended: list[RequestState] = []  # requests that ended since the service last looked (it clears it)
         if speculative is not None and policy != "iteration":
             raise ValueError("speculative decoding needs the iteration policy")
         self.speculative = speculative
@@ -298,17 +299,19 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         log.warning("worker_reset worker_id=%s requeued=%d", worker_id, len(moved))
         return moved
 
-    def set_draining(self, worker_id: str, draining: bool) -> list[str]:
+    def set_draining(self, worker_id: str, draining: bool, elsewhere: bool = False) -> list[str]:
         """A draining worker (stopping) gets no new request. Its running ones are handed over: they
         wait again (FCFS place kept) to be rebuilt on a worker that takes requests, or, while there
-        is none, stay and finish where they are. Returns the ids handed over."""
+        is none, stay and finish where they are. elsewhere: another scheduler of the model holds a
+        worker (one of several: this one lets its waiting requests go to it when it has no worker
+        that takes them). Returns the ids handed over."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return []
         if worker.draining != draining:
             worker.draining = draining
             log.info("worker_draining worker_id=%s draining=%s running=%d", worker_id, draining, len(worker.running))
-        if not (draining and worker.running and any(not other.draining for other in self._workers.values())):
+        if not (draining and worker.running and (elsewhere or self.takes_requests)):
             return []
         moved = list(worker.running)
         for state in list(worker.running.values()):
@@ -328,6 +331,16 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
     @property
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self._workers)
+
+    @property
+    def frees_unsent(self) -> bool:
+        """Whether a worker has requests to free that no plan has told it yet."""
+        return any(worker.to_free for worker in self._workers.values())
+
+    @property
+    def takes_requests(self) -> bool:
+        """Whether a worker it plans for takes new requests (one not draining)."""
+        return any(not worker.draining for worker in self._workers.values())
 
     def idle_workers(self) -> list[str]:
         """Workers that can take another group of plans (room for `group` more within pipeline_depth
@@ -424,6 +437,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         self._release(state)
         state.status, state.finish_reason = status_for(reason), reason
         self._requests.pop(state.request_id, None)
+        self.ended.append(state)
 
     def _enqueue(self, state: RequestState) -> None:
         bisect.insort(self._waiting, (*state.fcfs_key, state.request_id))

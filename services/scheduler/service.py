@@ -39,7 +39,7 @@ from services.scheduler.liveness import WorkerLiveness
 from services.scheduler.output import RequestOutputs
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.recovery import LOAD_BATCH, PoolLoader
-from services.scheduler.shards import ShardMembership, lease_problem
+from services.scheduler.shards import NewRequest, ShardMembership, lease_problem
 from services.scheduler.redis_link import (
     REDIS_SLACK_SECONDS,
     LeaseLost,
@@ -133,9 +133,11 @@ class SchedulerService:
         self.holding = ResultHolding(settings.policy == "request" and settings.request_results == "batch")
         self.outputs = RequestOutputs(self.tokenizer, self.policy, self.link, self.holding,
                                       settings.request_ttl_seconds)
-        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds, self.shards, self._room)
+        self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds, self.shards, self._room,
+                                       lambda: not self._pending_new)
         self.loader = PoolLoader(self.link, self.policy, self.outputs, settings.request_ttl_seconds, self._cancel)
-        self._pending_new: list[str] = []  # ids read from NEW_REQUESTS_STREAM, not loaded yet
+        self._pending_new: list[NewRequest] = []  # read from NEW_REQUESTS_STREAM, not loaded yet
+        self._cancels_unheld: list[str] = []  # one of several: cancels of requests it does not hold
         self._loaded = False
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
@@ -203,21 +205,40 @@ class SchedulerService:
         log.info("scheduler_stopped epoch=%s iterations=%d", self.epoch, self.iterations)
 
     async def _let_go_without_workers(self) -> None:
-        """One of several schedulers holding requests but no live worker, while another holds one (its
-        workers died or were cut off): it lets go of everything (its lease deleted, so the others take
-        it over at their next poll, its requests with their output so far) and joins again."""
-        if self.policy.worker_ids or not self.liveness.others_holding or \
+        """One of several schedulers holding requests but no live worker that takes them, while another
+        holds one (its workers died, were cut off, or are stopping: their requests were handed over):
+        it lets go of everything (its lease deleted, so the others take it over at their next poll, its
+        requests with their output so far) and joins again. What it queued (a dead worker's keys
+        deleted, a stopping one's requests freed) goes first, in the same transaction."""
+        if self.policy.takes_requests or not self.liveness.others_holding or \
                 not (self.policy.waiting_count or self.policy.running_count or self.liveness.claimed):
             return
-        log.warning("no_worker_letting_go scheduler_id=%s requests=%d", self.epoch,
-                    self.policy.waiting_count + self.policy.running_count)
-        await bounded(self.redis.delete(self.shards.lease_key), REDIS_SLACK_SECONDS)
+        if self.policy.running_count or self.policy.frees_unsent:
+            # Running on a stopping worker that nobody else takes (they finish there), or handed
+            # over and not yet freed there (its next plan frees them, once its plans in flight are
+            # answered: then it drains at once rather than after drain_seconds).
+            return
+        log.warning("no_worker_letting_go scheduler_id=%s requests=%d", self.epoch, self.policy.waiting_count)
+        self.link.queue("delete", self.shards.lease_key)
+        await bounded(self.link.round_trip(block_ms=None, read=False), REDIS_SLACK_SECONDS)
         raise LeaseLost(f"scheduler {self.epoch}: no live worker; its requests go to the others")
 
     @property
     def _heartbeat_key(self) -> str:
         model_keys = self.link.keys
         return model_keys.scheduler_heartbeat if self.shards is None else model_keys.scheduler_heartbeat_of(self.epoch)
+
+    @property
+    def _prefix_aware(self) -> bool:
+        return self.settings.prefix_caching and self.settings.placement == "cache-aware"
+
+    def _name_prefixes_held(self, requests: list) -> None:
+        """One of several, prefix-aware: the prefixes of requests it loaded or ended (ids or states)
+        are named its own (shared/prefix_anchors.py), so the next request sharing one comes here."""
+        if self.shards is None or not self._prefix_aware or not requests:
+            return
+        states = [self.policy.get(request) if isinstance(request, str) else request for request in requests]
+        self.shards.queue_anchors([state.tokens(0, state.total_tokens) for state in states if state is not None])
 
     def _room(self) -> int:
         """How many new requests to load now: all there are for the one scheduler; one of several
@@ -252,18 +273,30 @@ class SchedulerService:
                 await self._let_go_without_workers()
         self.liveness.abandon_stalled_plans()
         self.phase_cpu["timers"] += time.process_time() - started
+        if self._cancels_unheld:  # one of several: cancels of requests no scheduler may hold (no room anywhere)
+            batch, self._cancels_unheld = await self.shards.take(self._cancels_unheld[:LOAD_BATCH]), []
+            await self.loader.load_requests(batch)  # (each loaded request reads its cancel flag: it ends)
         if self.liveness.claimed:  # one of several: requests it took over, or found without a live owner
             batch = self.liveness.claimed[:LOAD_BATCH]
             await self.loader.load_requests(batch)
             del self.liveness.claimed[: len(batch)]
+            self._name_prefixes_held(batch)
         room = self._room()
         if self._pending_new and room:
-            batch = self._pending_new[:room]
-            del self._pending_new[: len(batch)]
-            if self.shards is not None:
-                batch = await self.shards.claim(batch)  # (those another one took are theirs)
+            if self.shards is None:
+                batch = [new.request_id for new in self._pending_new[:room]]
+                del self._pending_new[: len(batch)]
+            else:  # those it takes (key by key in turn; a prefix another's worker holds is left to it)
+                batch, forget = await self.shards.claim(self._pending_new, room, self.settings.placement_threshold,
+                                                        self._prefix_aware)
+                settled = set(batch) | set(forget)
+                self._pending_new = [new for new in self._pending_new if new.request_id not in settled]
             await self.loader.load_requests(batch)
+            self._name_prefixes_held(batch)
         self._dispatch()
+        if self.policy.ended:
+            self._name_prefixes_held(self.policy.ended)
+            self.policy.ended.clear()
         started = time.process_time()
         if now >= self._next_heartbeat or self._published_counts != self._counts():
             if now >= self._next_heartbeat:
@@ -327,7 +360,8 @@ class SchedulerService:
             if not request_id:
                 log.warning("malformed_new_request entry=%s", text_of(entry_id))
                 continue
-            self._pending_new.append(request_id)
+            self._pending_new.append(NewRequest(request_id) if self.shards is None else
+                                     NewRequest.of_entry(request_id, fields))
         if self.shards is not None and len(self._pending_new) > PENDING_KEPT:
             # One of several without room for long: the oldest it read are others' by now, or wait
             # unowned in Redis, where a poll of whichever scheduler has room takes them.
@@ -360,6 +394,8 @@ class SchedulerService:
         self.link.extend(self.holding.release(request_id))
         state = self.policy.cancel(request_id)
         if state is None:
+            if self.shards is not None and request_id not in self.outputs.recently_finished:
+                self._cancels_unheld.append(request_id)  # (another's, or nobody's: then it ends it)
             return  # ended already, or not loaded yet: loading it reads its cancel flag
         self.outputs.cancelled(state)
 

@@ -30,15 +30,45 @@ import logging
 import time
 from typing import NamedTuple
 
-from services.scheduler.redis_link import REDIS_SLACK_SECONDS, LeaseLost, RedisLink, bounded, text_of
-from shared import keys
+from services.scheduler.redis_link import (
+    REDIS_SLACK_SECONDS,
+    LeaseLost,
+    RedisLink,
+    RedisRestarted,
+    bounded,
+    text_of,
+)
+from shared import keys, prefix_anchors
 
 log = logging.getLogger("iterserve.scheduler")
 
 SWEEP_SECONDS = 5.0  # how often a scheduler looks for active requests no live scheduler owns
+# How long a prefix anchor names its scheduler: about how long an idle prefix stays in a worker's
+# cache under load (a stale one only misplaces a request: shared/prefix_anchors.py).
+PREFIX_ANCHOR_SECONDS = 300
+
+
+class NewRequest(NamedTuple):
+    """A new-request entry as one of several schedulers reads it (services/gateway/store.py)."""
+
+    request_id: str
+    client_key: str = ""
+    prompt_tokens: int = 0
+    anchors: str = ""  # hex, shallowest first
+
+    @classmethod
+    def of_entry(cls, request_id: str, fields: dict) -> "NewRequest":
+        try:
+            client_key = fields.get(b"k", b"").decode()
+            prompt_tokens = int(fields.get(b"n", b"0"))
+        except (UnicodeDecodeError, ValueError):
+            return cls(request_id)  # (malformed hints: taken as any other request)
+        return cls(request_id, client_key, prompt_tokens,
+                   "".join(anchor.hex() for anchor in prefix_anchors.unpacked(fields.get(b"a", b""))))
 
 # ARGV: 1 this scheduler's id, 2 lease ms, 3 "1" at its join, 4 how many unowned requests to take,
-# 5-15 key names (below), 16.. the workers it holds. Reply: {status, run_id, lost workers, taken
+# 5-16 key names (below), 17 how many more requests it takes now (its room), 18 the run_id of the Redis
+# server it joined ("" at its join), 19.. the workers it holds. Reply: {status, run_id, lost workers, taken
 # workers, claimed requests, taken-over schedulers, {worker, fence} of each held worker, how many
 # active requests no scheduler has taken yet (waiting in Redis for one with room), how many other
 # live schedulers hold a worker, the fewest workers another live scheduler holds (-1: none lives)}.
@@ -48,7 +78,11 @@ local run_id = {keys.REDIS_RUN_ID_LUA}
 local sweep = room > 0
 local schedulers, lease_prefix, heartbeat_prefix, results_prefix, owners = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local active, workers, worker_heartbeat_prefix, worker_lease_prefix, changes = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]
-local fence_prefix = ARGV[15]
+local fence_prefix, rooms = ARGV[15], ARGV[16]
+-- A restarted Redis (another run_id) may have lost the last writes: nothing is written until the
+-- scheduler has joined it anew (a worker lease renewed here with the new run_id would let the
+-- workers' writes of plans made before the restart land after the lost ones: a gap in a stream).
+if ARGV[18] ~= '' and ARGV[18] ~= run_id then return {'RESTARTED', run_id} end
 local my_lease = lease_prefix .. me
 if join then
   if not redis.call('SET', my_lease, me, 'NX', 'PX', ttl) then return {'LOST', run_id} end
@@ -58,9 +92,10 @@ elseif redis.call('GET', my_lease) ~= me then
 else
   redis.call('PEXPIRE', my_lease, ttl)
 end
+redis.call('HSET', rooms, me, ARGV[17])
 local value = me .. ' ' .. run_id
 local lost, held = {}, {}
-for i = 16, #ARGV do
+for i = 19, #ARGV do
   local key = worker_lease_prefix .. ARGV[i]
   if redis.call('GET', key) == value then
     redis.call('PEXPIRE', key, ttl)
@@ -80,6 +115,7 @@ for _, id in ipairs(redis.call('SMEMBERS', schedulers)) do
     redis.call('DEL', lease_prefix .. id)
     redis.call('SREM', schedulers, id)
     redis.call('DEL', results_prefix .. id, heartbeat_prefix .. id)
+    redis.call('HDEL', rooms, id)
   end
 end
 local free = {}
@@ -146,9 +182,81 @@ local unclaimed = redis.call('SCARD', active) - redis.call('HLEN', owners)
 return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed, others_holding, fewest or -1}
 """
 
-# ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4.. request ids. Reply: the ids
-# this scheduler owns now (it took them, or had), or {'LOST'} when its lease no longer holds.
+# New requests: each scheduler reads every one and offers to take those it has read while it has room
+# (ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4 key_turns, 5 key_turn, 6 the
+# prefix anchors' key prefix, 7 scheduler_rooms, 8 the schedulers' lease key prefix, 9 its room, 10 the
+# placement threshold, 11 "1": prefix-aware, 12.. per request, oldest first: its id, client key, prompt
+# tokens, its anchors in hex, shallowest first). It takes them
+# - key by key in turn, as one scheduler's admission does (SchedulerPolicy._fair_order), across
+#   schedulers: the key that a scheduler of the model took a request of longest ago first;
+# - except a request whose deepest anchor (shared/prefix_anchors.py) another live scheduler with room
+#   wrote, covering at least the threshold of its prompt: that one's worker holds its prefix.
+# Reply: {'OK', ids it owns now, ids to forget (another's, or left to another)}, or {'LOST'}.
 CLAIM_SCRIPT = """
+local me = ARGV[1]
+if redis.call('GET', ARGV[2]) ~= me then return {'LOST'} end
+local owners, turns, turn, anchor_prefix, rooms, lease_prefix = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local room, threshold, affinity = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11] == '1'
+local depths = {""" + ", ".join(str(depth * prefix_anchors.CHUNK_TOKENS) for depth in prefix_anchors.DEPTHS) + """}
+local taken, dropped, queues, order = {}, {}, {}, {}
+for i = 12, #ARGV, 4 do
+  local owner = redis.call('HGET', owners, ARGV[i])
+  if owner == me then
+    taken[#taken + 1] = ARGV[i]
+  elseif owner then
+    dropped[#dropped + 1] = ARGV[i]
+  else
+    local key = ARGV[i + 1]
+    if not queues[key] then
+      queues[key] = {}
+      order[#order + 1] = {tonumber(redis.call('HGET', turns, key) or '-1'), #order, key}
+    end
+    table.insert(queues[key], i)
+  end
+end
+table.sort(order, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+local function elsewhere(i)
+  local anchors, tokens = ARGV[i + 3], tonumber(ARGV[i + 2])
+  for depth = #anchors / 16, 1, -1 do
+    local holder = redis.call('GET', anchor_prefix .. string.sub(anchors, 16 * depth - 15, 16 * depth))
+    if holder then
+      return holder ~= me and depths[depth] >= threshold * tokens
+        and redis.call('GET', lease_prefix .. holder) == holder
+        and tonumber(redis.call('HGET', rooms, holder) or '0') > 0
+    end
+  end
+  return false
+end
+local heads, more = {}, true
+while room > 0 and more do
+  more = false
+  for _, entry in ipairs(order) do
+    local key = entry[3]
+    local queue, head = queues[key], heads[key] or 1
+    while room > 0 and head <= #queue do
+      local i = queue[head]
+      head = head + 1
+      if affinity and elsewhere(i) then
+        dropped[#dropped + 1] = ARGV[i]
+      else
+        redis.call('HSET', owners, ARGV[i], me)
+        redis.call('HSET', turns, key, redis.call('INCR', turn))
+        taken[#taken + 1] = ARGV[i]
+        room = room - 1
+        break
+      end
+    end
+    heads[key] = head
+    if head <= #queue then more = true end
+  end
+end
+redis.call('HSET', rooms, me, room)
+return {'OK', taken, dropped}
+"""
+
+# Cancelled requests nobody owns (they waited in Redis): ARGV 1 this scheduler's id, 2 its lease key,
+# 3 the owners hash, 4.. request ids. Reply: those it owns now, or {'LOST'}.
+TAKE_SCRIPT = """
 if redis.call('GET', ARGV[2]) ~= ARGV[1] then return {'LOST'} end
 local mine = {}
 for i = 4, #ARGV do
@@ -157,6 +265,12 @@ for i = 4, #ARGV do
   end
 end
 return mine
+"""
+
+# ARGV: 1 the prefix anchors' key prefix, 2 this scheduler's id, 3 their time to live (ms), 4.. anchors in hex.
+PUBLISH_SCRIPT = """
+for i = 4, #ARGV do redis.call('SET', ARGV[1] .. ARGV[i], ARGV[2], 'PX', ARGV[3]) end
+return 1
 """
 
 
@@ -221,18 +335,24 @@ class ShardMembership:
         return (model_keys.schedulers, model_keys.scheduler_lease(""), model_keys.scheduler_heartbeat_of(""),
                 model_keys.results_of(""), model_keys.request_owners, model_keys.active_requests,
                 model_keys.workers, keys.worker_heartbeat(""), keys.worker_lease(""), model_keys.lease_changes,
-                model_keys.scheduler_fence(""))
+                model_keys.scheduler_fence(""), model_keys.scheduler_rooms)
 
-    async def poll(self, held_workers: list[str], room: int = 0) -> ShardPoll:
+    async def poll(self, held_workers: list[str], room: int = 0, nothing_pending: bool = True) -> ShardPoll:
         """Renew, take over, take free workers, and, with room (room: how many more requests this
         scheduler takes now), the active requests no live scheduler owns: at a join, when some were
-        seen at the last poll, and every SWEEP_SECONDS. Raises LeaseLost."""
+        seen at the last poll, and every SWEEP_SECONDS. Raises LeaseLost, or RedisRestarted (another
+        Redis server than the one it joined: then nothing was written).
+        nothing_pending False: new requests it read wait for its room; they go first, key by key in turn
+        (claim), while the sweep takes any (a request it never read: from before its join, left by a
+        scheduler taken over), so it waits until they are taken."""
         now = time.monotonic()
-        sweep = not self.joined or self.unclaimed > 0 or now >= self._next_sweep
+        sweep = nothing_pending and (not self.joined or self.unclaimed > 0 or now >= self._next_sweep)
         reply = await bounded(self.link.redis.eval(
             SHARD_SCRIPT, 0, self.scheduler_id, self.lease_ms, "0" if self.joined else "1", room if sweep else 0,
-            *self._key_names(), *held_workers), REDIS_SLACK_SECONDS)
+            *self._key_names(), room, self.link.run_id, *held_workers), REDIS_SLACK_SECONDS)
         status = text_of(reply[0])
+        if status == "RESTARTED":
+            raise RedisRestarted(self.link.run_id, text_of(reply[1]))
         if status != "OK":
             raise LeaseLost(f"scheduler {self.scheduler_id}: its lease is gone")
         self.joined = True
@@ -254,15 +374,39 @@ class ShardMembership:
             log.warning("worker_lease_lost worker_id=%s scheduler_id=%s", worker_id, self.scheduler_id)
         return poll
 
-    async def claim(self, request_ids: list[str]) -> list[str]:
-        """The new requests this scheduler takes (HSETNX: another may have taken some first).
-        Raises LeaseLost."""
+    async def claim(self, requests: list[NewRequest], room: int, threshold: float,
+                    prefix_aware: bool) -> tuple[list[str], list[str]]:
+        """Of the new requests read (oldest first), those this scheduler takes now, at most `room`:
+        key by key in turn, leaving to another scheduler with room one whose prefix its worker holds
+        (CLAIM_SCRIPT). Returns (ids it owns now, ids to forget). Raises LeaseLost."""
+        model_keys = self.model_keys
+        arguments = [part for request in requests
+                     for part in (request.request_id, request.client_key, request.prompt_tokens, request.anchors)]
         reply = await bounded(self.link.redis.eval(
-            CLAIM_SCRIPT, 0, self.scheduler_id, self.lease_key, self.model_keys.request_owners, *request_ids),
+            CLAIM_SCRIPT, 0, self.scheduler_id, self.lease_key, model_keys.request_owners, model_keys.key_turns,
+            model_keys.key_turn, model_keys.prefix_anchor(""), model_keys.scheduler_rooms,
+            model_keys.scheduler_lease(""), room, repr(threshold), "1" if prefix_aware else "0", *arguments),
+            REDIS_SLACK_SECONDS)
+        if text_of(reply[0]) != "OK":
+            raise LeaseLost(f"scheduler {self.scheduler_id}: its lease is gone")
+        return [text_of(request_id) for request_id in reply[1]], [text_of(request_id) for request_id in reply[2]]
+
+    async def take(self, request_ids: list[str]) -> list[str]:
+        """Requests it takes whatever its room (cancelled ones nobody took: it ends them). Raises LeaseLost."""
+        reply = await bounded(self.link.redis.eval(
+            TAKE_SCRIPT, 0, self.scheduler_id, self.lease_key, self.model_keys.request_owners, *request_ids),
             REDIS_SLACK_SECONDS)
         if reply and text_of(reply[0]) == "LOST":
             raise LeaseLost(f"scheduler {self.scheduler_id}: its lease is gone")
         return [text_of(request_id) for request_id in reply]
+
+    def queue_anchors(self, token_lists: list) -> None:
+        """Name this scheduler as the holder of these token sequences' prefixes (requests it loaded
+        or ended), with the round trip's writes."""
+        found = {anchor.hex() for tokens in token_lists for anchor in prefix_anchors.anchors(tokens)}
+        if found:
+            self.link.queue("eval", PUBLISH_SCRIPT, 0, self.model_keys.prefix_anchor(""), self.scheduler_id,
+                            PREFIX_ANCHOR_SECONDS * 1000, *sorted(found))
 
     async def release_worker(self, worker_id: str, run_id: str) -> None:
         """Give a worker's lease up (a handover to a scheduler that holds fewer): free for the next
