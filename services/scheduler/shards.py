@@ -16,7 +16,8 @@ One script a poll (SHARD_SCRIPT), atomic:
   this scheduler holds a worker (else leave them unowned, for one that has room);
 - take free live workers while holding no more than the fewest any live scheduler holds;
 - with room, take active requests no live scheduler owns (they waited in Redis, or were left).
-New requests are taken by CLAIM_SCRIPT, only while this scheduler's lease holds.
+New requests are taken by CLAIM_SCRIPT, only while this scheduler's lease holds: key by key in turn
+across schedulers (keys:turn), and each one by the scheduler that named its prefix, if that one has room.
 
 And in the scheduler (services/scheduler/service.py, liveness.py): one left with requests and no
 live worker while another holds one deletes its own lease and joins again (its requests run on
