@@ -120,14 +120,14 @@ class ModelKeys:
 
     @cached_property
     def key_turns(self) -> str:
-        """Hash client key -> the turn (key_turn's count) at which a scheduler last took a request of
+        """Hash client key -> the turn (turn_clock's count) at which a scheduler last took a request of
         that key: the schedulers take waiting requests key by key, the one served longest ago first."""
-        return self._key("keys:turn")
+        return self._key("keys:turns")
 
     @cached_property
-    def key_turn(self) -> str:
+    def turn_clock(self) -> str:
         """Counter: requests taken by the model's schedulers (the clock of key_turns)."""
-        return self._key("keys:turns")
+        return self._key("keys:clock")
 
     def prefix_anchor(self, anchor: str) -> str:
         """A prefix anchor (shared/prefix_anchors.py) -> the id of the scheduler that last loaded or

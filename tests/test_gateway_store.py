@@ -112,7 +112,7 @@ async def test_a_request_gone_for_good_ends_in_error(redis_url, quick_status_che
 async def test_with_several_schedulers_a_new_request_entry_says_its_key_length_and_prefix(redis_url):
     """What the schedulers choose by (services/scheduler/shards.py, CLAIM_SCRIPT); one scheduler reads
     the id alone."""
-    from services.scheduler.shards import NewRequest
+    from services.scheduler.shards import NewRequestEntry
     from shared import prefix_anchors
 
     redis = connect(redis_url)
@@ -125,7 +125,7 @@ async def test_with_several_schedulers_a_new_request_entry_says_its_key_length_a
             await Store(redis, sharded=sharded).submit(record, model_keys=pool)
             [(_, fields)] = await redis.xrange(pool.new_requests)
             if sharded:
-                assert NewRequest.of_entry(record.request_id, fields) == NewRequest(
+                assert NewRequestEntry.of_entry(record.request_id, fields) == NewRequestEntry(
                     record.request_id, "key-1", 200, "".join(anchor.hex() for anchor in prefix_anchors.anchors(prompt)))
             else:
                 assert fields == {b"id": record.request_id.encode()}

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from services.scheduler.redis_link import LeaseLost, RedisLink
-from services.scheduler.shards import NewRequest, ShardMembership
+from services.scheduler.shards import NewRequestEntry, ShardMembership
 from shared import keys, prefix_anchors
 
 LEASE_MS = 2000
@@ -26,9 +26,10 @@ async def register_workers(redis_client, *worker_ids: str) -> None:
         await redis_client.set(keys.worker_heartbeat(worker_id), b"alive", px=60_000)
 
 
-def new_requests(*request_ids: str, client_key: str = "", tokens: tuple[int, ...] = ()) -> list[NewRequest]:
+def new_requests(*request_ids: str, client_key: str = "",
+                 tokens: tuple[int, ...] = ()) -> list[NewRequestEntry]:
     anchors = "".join(anchor.hex() for anchor in prefix_anchors.anchors(tokens))
-    return [NewRequest(request_id, client_key, len(tokens), anchors) for request_id in request_ids]
+    return [NewRequestEntry(request_id, client_key, len(tokens), anchors) for request_id in request_ids]
 
 
 async def test_the_round_trip_of_a_scheduler_taken_over_writes_nothing(redis_client):
@@ -258,8 +259,9 @@ def test_prefix_anchors_name_a_sequences_first_chunks_the_same_everywhere():
     assert prefix_anchors.unpacked(prefix_anchors.packed(tokens)) == found
     assert prefix_anchors.unpacked(b"short") == []  # malformed: no hint
     entry = {b"id": b"r1", b"k": b"key", b"n": b"700", b"a": prefix_anchors.packed(tokens)}
-    assert NewRequest.of_entry("r1", entry) == NewRequest("r1", "key", 700, "".join(a.hex() for a in found))
-    assert NewRequest.of_entry("r1", {b"id": b"r1", b"n": b"many"}) == NewRequest("r1")
+    expected = NewRequestEntry("r1", "key", 700, "".join(anchor.hex() for anchor in found))
+    assert NewRequestEntry.of_entry("r1", entry) == expected
+    assert NewRequestEntry.of_entry("r1", {b"id": b"r1", b"n": b"many"}) == NewRequestEntry("r1")
 
 
 async def test_a_poll_on_a_restarted_redis_writes_nothing_until_the_scheduler_joins_it_anew(redis_client):

@@ -39,7 +39,7 @@ from services.scheduler.liveness import WorkerLiveness
 from services.scheduler.output import RequestOutputs
 from services.scheduler.policy import SchedulerPolicy
 from services.scheduler.recovery import LOAD_BATCH, PoolLoader
-from services.scheduler.shards import NewRequest, ShardMembership, lease_problem
+from services.scheduler.shards import NewRequestEntry, ShardMembership, lease_problem
 from services.scheduler.redis_link import (
     REDIS_SLACK_SECONDS,
     LeaseLost,
@@ -136,7 +136,7 @@ class SchedulerService:
         self.liveness = WorkerLiveness(self.link, self.policy, settings.stall_seconds, self.shards, self._room,
                                        lambda: not self._pending_new)
         self.loader = PoolLoader(self.link, self.policy, self.outputs, settings.request_ttl_seconds, self._cancel)
-        self._pending_new: list[NewRequest] = []  # read from NEW_REQUESTS_STREAM, not loaded yet
+        self._pending_new: list[NewRequestEntry] = []  # read from NEW_REQUESTS_STREAM, not loaded yet
         self._cancels_unheld: list[str] = []  # one of several: cancels of requests it does not hold
         self._loaded = False
         self._next_poll = 0.0
@@ -360,8 +360,8 @@ class SchedulerService:
             if not request_id:
                 log.warning("malformed_new_request entry=%s", text_of(entry_id))
                 continue
-            self._pending_new.append(NewRequest(request_id) if self.shards is None else
-                                     NewRequest.of_entry(request_id, fields))
+            self._pending_new.append(NewRequestEntry(request_id) if self.shards is None else
+                                     NewRequestEntry.of_entry(request_id, fields))
         if self.shards is not None and len(self._pending_new) > PENDING_KEPT:
             # One of several without room for long: the oldest it read are others' by now, or wait
             # unowned in Redis, where a poll of whichever scheduler has room takes them.

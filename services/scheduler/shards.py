@@ -17,7 +17,7 @@ One script a poll (SHARD_SCRIPT), atomic:
 - take free live workers while holding no more than the fewest any live scheduler holds;
 - with room, take active requests no live scheduler owns (they waited in Redis, or were left).
 New requests are taken by CLAIM_SCRIPT, only while this scheduler's lease holds: key by key in turn
-across schedulers (keys:turn), and each one by the scheduler that named its prefix, if that one has room.
+across schedulers (keys:turns), and each one by the scheduler that named its prefix, if that one has room.
 
 And in the scheduler (services/scheduler/service.py, liveness.py): one left with requests and no
 live worker while another holds one deletes its own lease and joins again (its requests run on
@@ -49,7 +49,7 @@ SWEEP_SECONDS = 5.0  # how often a scheduler looks for active requests no live s
 PREFIX_ANCHOR_SECONDS = 300
 
 
-class NewRequest(NamedTuple):
+class NewRequestEntry(NamedTuple):
     """A new-request entry as one of several schedulers reads it (services/gateway/store.py)."""
 
     request_id: str
@@ -58,7 +58,7 @@ class NewRequest(NamedTuple):
     anchors: str = ""  # hex, shallowest first
 
     @classmethod
-    def of_entry(cls, request_id: str, fields: dict) -> "NewRequest":
+    def of_entry(cls, request_id: str, fields: dict) -> "NewRequestEntry":
         try:
             client_key = fields.get(b"k", b"").decode()
             prompt_tokens = int(fields.get(b"n", b"0"))
@@ -184,7 +184,7 @@ return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed, others_hold
 """
 
 # New requests: each scheduler reads every one and offers to take those it has read while it has room
-# (ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4 key_turns, 5 key_turn, 6 the
+# (ARGV: 1 this scheduler's id, 2 its lease key, 3 the owners hash, 4 key_turns, 5 turn_clock, 6 the
 # prefix anchors' key prefix, 7 scheduler_rooms, 8 the schedulers' lease key prefix, 9 its room, 10 the
 # placement threshold, 11 "1": prefix-aware, 12.. per request, oldest first: its id, client key, prompt
 # tokens, its anchors in hex, shallowest first). It takes them
@@ -375,7 +375,7 @@ class ShardMembership:
             log.warning("worker_lease_lost worker_id=%s scheduler_id=%s", worker_id, self.scheduler_id)
         return poll
 
-    async def claim(self, requests: list[NewRequest], room: int, threshold: float,
+    async def claim(self, requests: list[NewRequestEntry], room: int, threshold: float,
                     prefix_aware: bool) -> tuple[list[str], list[str]]:
         """Of the new requests read (oldest first), those this scheduler takes now, at most `room`:
         key by key in turn, leaving to another scheduler with room one whose prefix its worker holds
@@ -385,7 +385,7 @@ class ShardMembership:
                      for part in (request.request_id, request.client_key, request.prompt_tokens, request.anchors)]
         reply = await bounded(self.link.redis.eval(
             CLAIM_SCRIPT, 0, self.scheduler_id, self.lease_key, model_keys.request_owners, model_keys.key_turns,
-            model_keys.key_turn, model_keys.prefix_anchor(""), model_keys.scheduler_rooms,
+            model_keys.turn_clock, model_keys.prefix_anchor(""), model_keys.scheduler_rooms,
             model_keys.scheduler_lease(""), room, repr(threshold), "1" if prefix_aware else "0", *arguments),
             REDIS_SLACK_SECONDS)
         if text_of(reply[0]) != "OK":
