@@ -110,3 +110,16 @@ def test_one_key_flooding_the_queue_does_not_make_another_key_wait_behind_it_acr
     # about 16 of A's: each scheduler's own fair order puts them ahead of the 4 it holds waiting.)
     assert b_done[-1] < a_done[11], f"key B waited behind key A's flood: finish order {order}"
     print(f"figures: two-scheduler fairness finish order {order}")
+
+
+def test_a_burst_of_requests_is_spread_over_both_schedulers_workers():
+    """Twelve requests at once: the scheduler that reads them first takes its share, not all twelve
+    (its one worker would run them while the other's idles)."""
+    with Cluster(**EMULATED, workers=2, schedulers=2) as cluster:
+        each_scheduler_leases_one_worker(cluster)
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda index: completion(cluster, f"Burst {index}: the sea.", 16), range(12)))
+        assert all(answer["usage"]["completion_tokens"] == 16 for answer in answers), answers
+        admitted = {name: len(cluster.log_events(name, "admitted request_id=")) for name in cluster.scheduler_names}
+    assert sorted(admitted.values()) in ([6, 6], [5, 7]), f"a burst of 12 taken {admitted}"
+    print(f"figures: a burst of 12 admitted {admitted}")

@@ -245,6 +245,29 @@ async def test_a_request_whose_prefix_another_schedulers_worker_holds_is_left_to
     await b_link.exchange.close()
 
 
+
+async def test_a_burst_of_new_requests_is_spread_over_the_schedulers_as_their_room_allows(redis_client):
+    """The first to read a burst does not take it all (its one worker would run it while the other
+    scheduler's idles): each request goes to the scheduler with the most room, this one on a tie."""
+    a_link, b_link = link_of(redis_client, "a"), link_of(redis_client, "b")
+    a, b = ShardMembership(a_link, "a", LEASE_MS), ShardMembership(b_link, "b", LEASE_MS)
+    await a.poll([], room=6)
+    await b.poll([], room=6)
+    burst = new_requests(*(f"r{index}" for index in range(6)))
+    assert await a.claim(burst, 6, 0.5, True) == (["r0", "r2", "r4"], ["r1", "r3", "r5"])
+    assert await b.claim(burst, 6, 0.5, True) == (["r1", "r3", "r5"], ["r0", "r2", "r4"])
+    # more room takes more: a with 5 against b with 3 now (as b's take left it)
+    more = new_requests(*(f"s{index}" for index in range(6)))
+    assert await a.claim(more, 5, 0.5, True) == (["s0", "s1", "s2", "s4"], ["s3", "s5"])
+    # nothing left to one without room, nor to one that is gone
+    await b.poll([], room=0)
+    assert await a.claim(new_requests("t0", "t1"), 8, 0.5, True) == (["t0", "t1"], [])
+    await b.poll([], room=8)
+    await redis_client.delete(MODEL_KEYS.scheduler_lease("b"))
+    assert await a.claim(new_requests("u0", "u1"), 8, 0.5, True) == (["u0", "u1"], [])
+    await a_link.exchange.close()
+    await b_link.exchange.close()
+
 def test_prefix_anchors_name_a_sequences_first_chunks_the_same_everywhere():
     tokens = list(range(3000, 3000 + 700))
     found = prefix_anchors.anchors(tokens)

@@ -191,7 +191,13 @@ return {'OK', run_id, lost, taken, claimed, dead, fences, unclaimed, others_hold
 # - key by key in turn, as one scheduler's admission does (SchedulerPolicy._fair_order), across
 #   schedulers: the key that a scheduler of the model took a request of longest ago first;
 # - except a request whose deepest anchor (shared/prefix_anchors.py) another live scheduler with room
-#   wrote, covering at least the threshold of its prompt: that one's worker holds its prefix.
+#   wrote, covering at least the threshold of its prompt: that one's worker holds its prefix;
+# - and each of the others to whichever live scheduler has the most room then (as each one's room was at
+#   its last poll or take, less what this take leaves it), this one on a tie: a burst is spread over
+#   the schedulers as their room allows, not all taken by the one that reads it first (whose single
+#   worker would run it while the others' idle). What it leaves, it forgets: the other takes it from
+#   its own reading; one that does not (gone, or its room taken meanwhile) leaves it unowned in Redis,
+#   where the next sweep of one with room takes it.
 # Reply: {'OK', ids it owns now, ids to forget (another's, or left to another)}, or {'LOST'}.
 CLAIM_SCRIPT = """
 local me = ARGV[1]
@@ -216,17 +222,32 @@ for i = 12, #ARGV, 4 do
   end
 end
 table.sort(order, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
-local function elsewhere(i)
+-- The live scheduler (this one included) with room whose worker holds the request's prefix, or nil.
+local function prefix_holder(i)
   local anchors, tokens = ARGV[i + 3], tonumber(ARGV[i + 2])
   for depth = #anchors / 16, 1, -1 do
     local holder = redis.call('GET', anchor_prefix .. string.sub(anchors, 16 * depth - 15, 16 * depth))
     if holder then
-      return holder ~= me and depths[depth] >= threshold * tokens
-        and redis.call('GET', lease_prefix .. holder) == holder
-        and tonumber(redis.call('HGET', rooms, holder) or '0') > 0
+      if depths[depth] < threshold * tokens then return nil end
+      if holder == me then return me end
+      if redis.call('GET', lease_prefix .. holder) == holder
+        and tonumber(redis.call('HGET', rooms, holder) or '0') > 0 then return holder end
+      return nil
     end
   end
-  return false
+  return nil
+end
+local others, listed = {}, redis.call('HGETALL', rooms)
+for i = 1, #listed, 2 do
+  local id, others_room = listed[i], tonumber(listed[i + 1]) or 0
+  if id ~= me and others_room > 0 and redis.call('GET', lease_prefix .. id) == id then others[id] = others_room end
+end
+local function roomier()
+  local best, most = nil, room
+  for id, others_room in pairs(others) do
+    if others_room > most or (others_room == most and best ~= nil and id < best) then best, most = id, others_room end
+  end
+  return best
 end
 local heads, more = {}, true
 while room > 0 and more do
@@ -237,7 +258,10 @@ while room > 0 and more do
     while room > 0 and head <= #queue do
       local i = queue[head]
       head = head + 1
-      if affinity and elsewhere(i) then
+      local holder = affinity and prefix_holder(i)
+      local other = holder or roomier()
+      if other and other ~= me then
+        if others[other] then others[other] = others[other] - 1 end
         dropped[#dropped + 1] = ARGV[i]
       else
         redis.call('HSET', owners, ARGV[i], me)
