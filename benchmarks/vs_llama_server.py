@@ -2,7 +2,8 @@
 
 Both servers run the same SmolLM2-135M GGUF (llama-server with its Q4_1 kernels, iterserve with
 its weights dequantized to float32, its default on a CPU, and to bfloat16, `--dtype bfloat16`:
-on a CPU with AVX512-BF16 its matmuls run about twice as fast). The load is
+on a CPU with AVX512-BF16 its matmuls run about twice as fast; or kept packed, `--dtypes gguf-bfloat16`
+for `--quantization gguf --dtype bfloat16`). The load is
 ../shared/peers/load.py (closed loop, ~48-token prompts made unique per request so no prompt cache
 helps, 64 output tokens forced with ignore_eos, streaming), at concurrency 1, 4, 16 and 64, greedy
 and sampled (temperature 1.0, top_p 0.95); the servers take turns at each mode so a slow spell of
@@ -88,6 +89,13 @@ def load(script: Path, url: str, model: str, mode: str, seed_offset: int, out: P
     return json.loads(out.read_text())
 
 
+def server_arguments(variant: str) -> tuple[str, ...]:
+    """iterserve's arguments for a --dtypes entry: DTYPE, or gguf-DTYPE (served quantized)."""
+    if variant.startswith("gguf-"):
+        return ("--quantization", "gguf", "--dtype", variant.removeprefix("gguf-"))
+    return ("--dtype", variant)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", type=Path,
@@ -95,7 +103,10 @@ def main() -> None:
     parser.add_argument("--load-script", type=Path, default=PEERS / "load.py")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="iterserve's --dtype, one server each")
+    parser.add_argument("--name", default="vs_llama_server", help="the results files' name")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="iterserve's --dtype, one server each; gguf-DTYPE: with --quantization gguf (its "
+                             "Q4_1/Q8_0 tensors kept packed)")
     parser.add_argument("--levels", default=LEVELS, help="concurrency levels, comma-separated")
     parser.add_argument("--no-llama-server", action="store_true",
                         help="iterserve alone: its sampled / greedy ratios, printed, no results written")
@@ -109,7 +120,8 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vs-llama-"))
     with contextlib.ExitStack() as stack:  # every server up at once; each takes its turn alone
         servers = [(f"iterserve-{dtype}", stack.enter_context(
-            ServerProcess(workers=1, threads=args.threads, extra_args=("--dtype", dtype))).url, "smollm2-135m-instruct")
+            ServerProcess(workers=1, threads=args.threads, extra_args=server_arguments(dtype))).url,
+            "smollm2-135m-instruct")
             for dtype in dtypes]
         if not args.no_llama_server:
             llama = stack.enter_context(LlamaServer(args.llama_server, args.threads, 64))
@@ -136,7 +148,8 @@ def main() -> None:
              f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
-             "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker).",
+             "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker; "
+             "gguf-D: `--quantization gguf --dtype D`, the Q4_1/Q8_0 tensors kept packed).",
              "", f"| server | mode | output tok/s at concurrency {shown} | mean TTFT at 16 (s) |", "|---|---|---|---|"]
     for key, levels in by_level.items():
         tps = " / ".join(f"{levels[c]['tok_s']:.1f}" for c in levels_run)
@@ -152,8 +165,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "vs_llama_server.md").write_text(text + "\n")
-    (args.out / "vs_llama_server.json").write_text(json.dumps({"executor": "engine", **results}, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(text + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps({"executor": "engine", **results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

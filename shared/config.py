@@ -139,6 +139,11 @@ class Settings(BaseModel):
     threads: int = Field(0, ge=0)  # torch threads per worker; 0: cores / workers
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, f32 on cpu
+    # vLLM's --quantization: "gguf" keeps a GGUF's Q4_0, Q4_1, Q4_K and Q8_0 tensors packed in memory
+    # and multiplies them by torch's dequantizing int4 kernel (services/worker/quantized.py; CPU, one
+    # worker process a model copy), computing in bfloat16 unless dtype says otherwise; "none" (the
+    # default) dequantizes every tensor to the dtype at load.
+    quantization: Literal["none", "gguf"] = "none"
     attention: Literal["batched", "per_request"] = "batched"
     # torch.compile the non-attention ops of a step (the token count dynamic): fewer, fused ops; the
     # first steps of each new shape class take seconds to compile.
@@ -233,6 +238,11 @@ class Settings(BaseModel):
             raise ValueError("speculative_config needs the iteration policy (a request-level batch runs to its end)")
         if speculative is not None and self.executor == "emulated":
             raise ValueError("speculative_config: the emulated executor runs no model, so it verifies no proposal")
+        if self.quantization == "gguf" and self.group_size > 1:
+            raise ValueError("quantization gguf runs in one worker process: not with tensor_parallel or "
+                             "pipeline_parallel")
+        if self.quantization == "gguf" and self.compile:
+            raise ValueError("quantization gguf runs its projections eagerly: not with compile")
         if self.scheduler_steps > 1 and self.answer_every > 1:
             raise ValueError(f"scheduler_steps {self.scheduler_steps} and answer_every {self.answer_every}: "
                              "choose one (each answers several steps with one write)")

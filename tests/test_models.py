@@ -139,6 +139,31 @@ def test_gguf_greedy_tokens_and_logits_equal_transformers_on_the_dequantized_wei
     assert_matches(engine_for(str(path)), oracle, F32_ATOL if tensor_type == "F32" else QUANTIZED_ATOL)
 
 
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("variant", "architecture"), [("llama", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"),
+                                                      ("qwen3", "qwen3")])
+def test_gguf_served_quantized_equals_transformers_on_the_dequantized_weights(checkpoints, tmp_path, variant,
+                                                                              architecture, tensor_type):
+    """--quantization gguf: the matrices stay packed (services/worker/quantized.py) and the engine,
+    computing in float32, gives transformers' tokens and logits on the file's dequantized weights."""
+    from services.worker.quantized import PackedLinear
+
+    model, _ = checkpoints[variant]
+    path = tmp_path / f"{variant}-{tensor_type}.gguf"
+    dequantized = write_gguf(model, path, tensor_type, architecture)
+    oracle = transformers_model(variant)
+    oracle.load_state_dict({name: torch.from_numpy(array.copy()) for name, array in dequantized.items()},
+                           strict=False)
+    if model.config.tie_word_embeddings:
+        oracle.tie_weights()
+    engine = LogitsEngine.from_settings(Settings(model=str(path), kv_blocks=64, kv_block_size=8, device="cpu",
+                                                 dtype="float32", max_batch_size=8, quantization="gguf"))
+    layer = engine.model.layers[0]
+    assert all(isinstance(weight, PackedLinear) for weight in (layer.qkv, layer.out, layer.gate_up, layer.down,
+                                                                engine.model.lm_head))
+    assert_matches(engine, oracle, QUANTIZED_ATOL)
+
 # Tokenizers and chat templates of checkpoint directories
 
 TOKENIZER_TEXTS = ["Hello world, the quick brown fox.", "Crème brûlée 🙂 and 中文 with\ttabs\n\nand 12345",

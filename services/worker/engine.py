@@ -62,10 +62,11 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device, stored: str = "") -> torch.dtype:
-    """auto: float32 on the CPU; on CUDA the checkpoint's own float16 or bfloat16, else bfloat16."""
+def pick_dtype(name: str, device: torch.device, stored: str = "", quantization: str = "none") -> torch.dtype:
+    """auto: float32 on the CPU (bfloat16 with packed weights: their kernel's fast path); on CUDA the
+    checkpoint's own float16 or bfloat16, else bfloat16."""
     if name == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" and quantization == "none":
             return torch.float32
         return torch.float16 if stored == "float16" else torch.bfloat16
     return DTYPES[name]
@@ -83,6 +84,18 @@ def own_bytes(config: ModelConfig, settings: "Settings", dtype: torch.dtype) -> 
     activations = (settings.max_batch_tokens * widest * torch.finfo(dtype).bits // 8
                    + settings.max_batch_size * config.vocab_size * 4)
     return weights + activations
+
+
+def weight_bytes(model) -> int:
+    """What the model's weights take in memory, as held (packed ones at their packed size)."""
+    seen, total = set(), 0
+    for holder in [model, *getattr(model, "layers", ())]:
+        for name, value in vars(holder).items():
+            if name.startswith("rope_") or id(value) in seen or not (isinstance(value, torch.Tensor) or hasattr(value, "nbytes")):
+                continue
+            seen.add(id(value))
+            total += value.nbytes
+    return total
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -163,14 +176,16 @@ class Engine(RequestRows):
     def from_settings(cls, settings: "Settings") -> "Engine":
         from services.worker.weights import load_weights
         from shared.grammar import GrammarCompiler
-        from shared.model_file import load_metadata
+        from shared.model_file import ModelFileError, load_metadata
         from shared.tokenizer import Tokenizer
 
         started = time.perf_counter()
         metadata = load_metadata(settings.model)
         config = serving_config(metadata.config, settings.max_model_len)
         device = pick_device(settings.device)
-        dtype = pick_dtype(settings.dtype, device, metadata.stored_dtype)
+        dtype = pick_dtype(settings.dtype, device, metadata.stored_dtype, settings.quantization)
+        if settings.quantization != "none" and device.type != "cpu":
+            raise ModelFileError(f"--quantization {settings.quantization} runs on the CPU only for now, not {device}")
         graphs = settings.cuda_graphs and device.type == "cuda" and not settings.enforce_eager
         compile = settings.compile and not settings.enforce_eager
         if settings.cuda_graphs and device.type != "cuda":
@@ -184,14 +199,15 @@ class Engine(RequestRows):
             model = ParallelLlama(config, load_weights(metadata), device, dtype,
                                   Layout(settings.tensor_parallel, settings.pipeline_parallel))
         else:
-            model = Llama(config, load_weights(metadata), device, dtype, compile=compile)
+            model = Llama(config, load_weights(metadata, settings.quantization), device, dtype, compile=compile)
         # model.config: this rank's heads and layers in a group, so its KV pool holds only those
         engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
         engine.constrain_with(lambda: GrammarCompiler(
             Tokenizer.for_serving(settings.model, settings.tokenizer, settings.chat_template)))
-        log.info("event=engine_ready model=%s device=%s dtype=%s kv_blocks=%d context=%d compile=%s cuda_graphs=%s "
-                 "seconds=%.2f", metadata.name, device, dtype, engine.kv_cache.blocks_total, config.context_length,
+        log.info("event=engine_ready model=%s device=%s dtype=%s quantization=%s weight_bytes=%d kv_blocks=%d "
+                 "context=%d compile=%s cuda_graphs=%s seconds=%.2f", metadata.name, device, dtype,
+                 settings.quantization, weight_bytes(model), engine.kv_cache.blocks_total, config.context_length,
                  compile, graphs, time.perf_counter() - started)
         return engine
 

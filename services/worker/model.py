@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from services.worker.attention import AttentionBatch, attend
 from services.worker.kv_cache import PagedKVCache
+from services.worker.quantized import PackedLinear, QuantizedEmbedding, QuantizedTensor, concatenated
 from shared.model_file import ModelConfig
 
 
@@ -71,8 +72,10 @@ PAD_ONE_ROW_BFLOAT16 = (any(flag in _cpuinfo().split() for flag in ("avx512_bf16
                         and torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for x [T, in], weight [out, in]: [T, out], contiguous."""
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ weight.T for x [T, in], weight [out, in] (a tensor, or a PackedLinear: kept quantized): [T, out], contiguous."""
+    if isinstance(weight, PackedLinear):
+        return weight(x)
     if (x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu"
             and (SKINNY_FLOAT32 or weight.dtype != torch.float32)):
         if x.shape[0] == 1 and PAD_ONE_ROW_BFLOAT16 and weight.dtype == torch.bfloat16:
@@ -171,22 +174,42 @@ class Llama:
         self.final_logits = compiled(final_logits) if compile else final_logits
 
         def tensor(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype)
+            weight = weights[name]
+            if isinstance(weight, QuantizedTensor):  # (one of fused projections that are not all kept quantized)
+                weight = torch.from_numpy(weight.dequantized())
+            return weight.to(device=device, dtype=dtype)
 
         def optional(name: str, present: bool) -> torch.Tensor | None:
             return tensor(name) if present else None
 
-        self.embedding = tensor("token_embd.weight")  # [V, H]
-        self.lm_head = tensor("output.weight") if "output.weight" in weights else self.embedding  # tied
+        def projection(*names: str):
+            """The rows of these weights as one projection: packed where each is kept quantized
+            (`--quantization gguf`) in a form that concatenates, else a tensor of the dtype."""
+            found = [weights[name] for name in names]
+            if len(found) == 1 and not isinstance(found[0], QuantizedTensor):
+                return tensor(names[0])
+            if all(isinstance(weight, QuantizedTensor) for weight in found):
+                joined = found[0] if len(found) == 1 else concatenated(found)
+                if joined is not None:
+                    return PackedLinear(joined, device, dtype)
+            return torch.cat([tensor(name) for name in names]).contiguous()
+
+        embedding = weights["token_embd.weight"]
+        self.embedding = (QuantizedEmbedding(embedding, dtype) if isinstance(embedding, QuantizedTensor)
+                          else tensor("token_embd.weight"))  # [V, H]
+        if "output.weight" in weights:
+            self.lm_head = projection("output.weight")
+        else:  # tied
+            self.lm_head = projection("token_embd.weight") if isinstance(embedding, QuantizedTensor) else self.embedding
         self.final_norm = tensor("output_norm.weight")
         self.layers = [
             LayerWeights(
                 attn_norm=tensor(f"blk.{i}.attn_norm.weight"),
-                qkv=torch.cat([tensor(f"blk.{i}.attn_{part}.weight") for part in "qkv"]).contiguous(),
-                out=tensor(f"blk.{i}.attn_output.weight"),
+                qkv=projection(*(f"blk.{i}.attn_{part}.weight" for part in "qkv")),
+                out=projection(f"blk.{i}.attn_output.weight"),
                 ffn_norm=tensor(f"blk.{i}.ffn_norm.weight"),
-                gate_up=torch.cat([tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")]).contiguous(),
-                down=tensor(f"blk.{i}.ffn_down.weight"),
+                gate_up=projection(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
+                down=projection(f"blk.{i}.ffn_down.weight"),
                 qkv_bias=(torch.cat([tensor(f"blk.{i}.attn_{part}.bias") for part in "qkv"])
                           if config.qkv_bias else None),
                 q_norm=optional(f"blk.{i}.attn_q_norm.weight", config.qk_norm),

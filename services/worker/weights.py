@@ -122,8 +122,41 @@ def convert_gguf(path: str, config: ModelConfig) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(metadata: ModelMetadata) -> Mapping[str, torch.Tensor]:
-    """The model's weights: a checkpoint's, mapped; a GGUF's, from the cache or converted and cached."""
+def read_gguf_quantized(path: str, config: ModelConfig) -> dict[str, "torch.Tensor | QuantizedTensor"]:
+    """`--quantization gguf`: the 2-D tensors of a type kept quantized (services/worker/quantized.py)
+    as they are in the file, unpacked to int4 parts (Q/K rows un-permuted as convert_gguf does);
+    every other tensor dequantized to float32."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from services.worker.quantized import PACKED_TYPES, rows_permuted, unpack
+
+    permuted = ARCHITECTURES[config.architecture].gguf_rotary_permuted
+    tensors: dict = {}
+    for tensor in GGUFReader(path).tensors:
+        shape = [int(dim) for dim in reversed(tensor.shape)]
+        heads = (config.n_heads if tensor.name.endswith("attn_q.weight") else
+                 config.n_kv_heads if tensor.name.endswith("attn_k.weight") else 0)
+        if tensor.tensor_type.name in PACKED_TYPES and len(shape) == 2:
+            quantized = unpack(tensor.tensor_type.name, tensor.data, *shape)
+            if permuted and heads:
+                quantized = rows_permuted(quantized, lambda rows: unpermute_rotary_rows(rows, heads).copy())
+            tensors[tensor.name] = quantized
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if permuted and heads:
+            array = unpermute_rotary_rows(array, heads)
+        tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+    return tensors
+
+
+def load_weights(metadata: ModelMetadata, quantization: str = "none") -> Mapping[str, torch.Tensor]:
+    """The model's weights: a checkpoint's, mapped; a GGUF's, from the cache or converted and cached
+    (with quantization "gguf", read from the file each start, its quantized tensors kept so)."""
+    if quantization == "gguf":
+        if metadata.format != "gguf":
+            raise ModelFileError(f"{metadata.path}: --quantization gguf needs a GGUF model file")
+        return read_gguf_quantized(metadata.path, metadata.config)
     if metadata.format == "hf":
         weights = CheckpointWeights(Path(metadata.path))
         missing = [name for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight")

@@ -1,0 +1,184 @@
+"""A GGUF's quantized tensors served quantized (`--quantization gguf`, services/worker/quantized.py):
+each kept type unpacks to exactly the file's dequantized values, the packed projection computes
+x @ W.T of them, a row's result does not depend on the step's other rows, and the packaged SmolLM2
+served so gives the dequantized float32 model's greedy tokens. Against transformers, per family and
+type: tests/test_models.py."""
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.bench.logits import LogitsEngine
+from services.worker.engine import weight_bytes
+from services.worker.quantized import PackedLinear, QuantizedEmbedding, concatenated, unpack
+from shared.config import Settings
+from shared.model_file import load_metadata
+from shared.tokenizer import Tokenizer
+from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_item
+
+ROWS, COLUMNS = 48, 512
+
+
+def quantized_by_gguf(type_name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A random [ROWS, COLUMNS] matrix in the type's raw blocks, and gguf's dequantization of them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    quant = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    if type_name == "Q4_K":  # (gguf does not quantize to Q4_K: random blocks, with sane d and dmin)
+        blocks = rng.integers(0, 256, (ROWS * COLUMNS // 256, 144), dtype=np.uint8)
+        blocks[:, 0:4] = np.array([[0.011, 0.023]] * len(blocks), dtype=np.float16).view(np.uint8)
+        data = blocks.reshape(ROWS, -1)
+    else:
+        data = quantize(rng.standard_normal((ROWS, COLUMNS)).astype(np.float32), quant)
+    return data, dequantize(data, quant).reshape(ROWS, COLUMNS)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_each_kept_type_unpacks_to_exactly_the_files_dequantized_values(type_name):
+    data, expected = quantized_by_gguf(type_name)
+    tensor = unpack(type_name, data, ROWS, COLUMNS)
+    assert all(part.q.max() <= 15 for part in tensor.parts)
+    np.testing.assert_array_equal(tensor.dequantized(), expected)
+    # and its rows looked up as an embedding
+    rows = QuantizedEmbedding(tensor, torch.float32).index_select(0, torch.tensor([5, 0, 47]))
+    np.testing.assert_array_equal(rows.numpy(), expected[[5, 0, 47]])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_the_packed_projection_is_x_times_the_dequantized_weight(type_name):
+    data, weight = quantized_by_gguf(type_name)
+    x = torch.randn(5, COLUMNS)
+    expected = x.double() @ torch.from_numpy(weight).double().T
+    scale = expected.abs().max().item()
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        got = PackedLinear(unpack(type_name, data, ROWS, COLUMNS), torch.device("cpu"), dtype)(x)
+        assert got.dtype == dtype and got.shape == (5, ROWS)
+        assert (got.double() - expected).abs().max().item() < tolerance * scale, dtype
+
+
+def test_fused_projections_concatenate_rows_and_mixed_forms_do_not():
+    (q_data, q_weight), (k_data, k_weight) = quantized_by_gguf("Q4_1", 1), quantized_by_gguf("Q4_0", 2)
+    q, k = unpack("Q4_1", q_data, ROWS, COLUMNS), unpack("Q4_0", k_data, ROWS, COLUMNS)
+    np.testing.assert_array_equal(concatenated([q, k]).dequantized(), np.concatenate([q_weight, k_weight]))
+    eight, _ = quantized_by_gguf("Q8_0", 3)
+    assert concatenated([q, unpack("Q8_0", eight, ROWS, COLUMNS)]) is None  # (one part and two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_step(dtype):
+    """What makes packed serving batch-invariant in bfloat16 too (dense bfloat16 is not, here)."""
+    data, _ = quantized_by_gguf("Q8_0")
+    projection = PackedLinear(unpack("Q8_0", data, ROWS, COLUMNS), torch.device("cpu"), dtype)
+    x = torch.randn(64, COLUMNS).to(dtype)
+    whole = projection(x)
+    for rows in (1, 2, 3, 4, 7, 16, 33):
+        assert torch.equal(projection(x[:rows]), whole[:rows]), rows
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
+           "List three colors:"]
+
+
+@pytest.fixture(scope="module")
+def packaged():
+    torch.set_num_threads(1)
+    tokenizer = Tokenizer.for_serving(Settings().model)
+    return [tokenizer.encode(prompt) for prompt in PROMPTS]
+
+
+def test_the_packaged_model_served_quantized_gives_the_dequantized_float32_models_greedy_tokens(packaged):
+    """Q4_1 matrices and a Q8_0 embedding (tied to the lm head) packed: in float32 the same greedy
+    tokens as every tensor dequantized to float32, in under a third of the memory."""
+    dense = LogitsEngine.from_settings(Settings(kv_blocks=128, device="cpu", dtype="float32"))
+    packed = LogitsEngine.from_settings(Settings(kv_blocks=128, device="cpu", dtype="float32", quantization="gguf"))
+    assert isinstance(packed.model.lm_head, PackedLinear)
+    for prompt in packaged:
+        dense_logits, packed_logits = [], []
+        expected = generate_alone(dense, "r", prompt, 24, logits=dense_logits)
+        assert generate_alone(packed, "r", prompt, 24, logits=packed_logits) == expected, prompt
+        difference = (torch.stack(dense_logits) - torch.stack(packed_logits)).abs().max().item()
+        assert difference < 1e-3, difference
+    # 154 MB against 538 (the file: 98 MB; float32 scales and zeros, and the tied Q8_0 table held
+    # twice, packed for the lm head and as bytes for the embedding's lookup)
+    file_bytes = Path(load_metadata(Settings().model).path).stat().st_size
+    assert weight_bytes(packed.model) < 1.6 * file_bytes < 0.3 * weight_bytes(dense.model)
+
+
+def test_served_quantized_in_bfloat16_a_requests_tokens_do_not_depend_on_its_batch(packaged):
+    """Each request alone, then all four in one batch, step by step: the same tokens. Without the
+    decode workspace: its attention over the batch's keys padded to one length is not
+    batch-invariant in bfloat16 (with it, two of these four requests differ by token 10)."""
+    engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", quantization="gguf",
+                                                 decode_workspace_tokens=0))
+    assert engine.model.dtype == torch.bfloat16
+    alone = [generate_alone(engine, f"alone-{index}", prompt, 20) for index, prompt in enumerate(packaged)]
+    for index in range(len(packaged)):
+        engine.add_request(f"r{index}", GREEDY)
+    result = engine.step([prefill_item(f"r{index}", prompt) for index, prompt in enumerate(packaged)])
+    outputs = {request_id: [token] for request_id, token in result.tokens.items()}
+    while len(outputs["r0"]) < 20:
+        items = [decode_item(f"r{index}", outputs[f"r{index}"][-1], len(prompt) + len(outputs[f"r{index}"]) - 1,
+                             len(outputs[f"r{index}"])) for index, prompt in enumerate(packaged)]
+        for request_id, token in engine.step(items).tokens.items():
+            outputs[request_id].append(token)
+    assert [outputs[f"r{index}"] for index in range(len(packaged))] == alone
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--quantization", "gguf", "--tensor-parallel", "2"], "one worker process"),
+    (["--quantization", "gguf", "--compile"], "not with compile"),
+    (["--quantization", "q4"], "quantization"),
+])
+def test_a_bad_quantization_setting_is_refused_at_start(arguments, message):
+    result = subprocess.run([sys.executable, "-m", "services.cli", "worker", *arguments], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_quantization_gguf_of_a_checkpoint_directory_is_a_clear_error(tmp_path):
+    from tests.checkpoints import save_checkpoint, transformers_model
+    from tests.requirements import import_or_skip
+
+    import_or_skip("transformers")
+    directory = save_checkpoint(transformers_model("llama"), tmp_path / "llama")
+    with pytest.raises(Exception, match="needs a GGUF model file"):
+        LogitsEngine.from_settings(Settings(model=str(directory), kv_blocks=16, device="cpu", quantization="gguf"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_iterserve_up_served_quantized_gives_the_engine_alones_tokens_on_either_worker_alone_and_batched(packaged):
+    """`iterserve up --quantization gguf` with two workers (bfloat16, packed): each chat request's greedy
+    text equals the packed engine alone's, sent alone and eight at once (spread over both workers)."""
+    import concurrent.futures
+
+    from tests.system import System
+
+    tokenizer = Tokenizer.load()
+    engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", quantization="gguf",
+                                                 decode_workspace_tokens=0))
+    messages = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
+    expected = []
+    for chat in messages:
+        output = generate_alone(engine, "oracle", tokenizer.encode_chat(chat), 24, stop_ids=tokenizer.stop_token_ids)
+        expected.append(tokenizer.decode([token for token in output if token not in tokenizer.stop_token_ids]))
+    with System("--quantization", "gguf", "--decode-workspace-tokens", "0", workers=2) as system:
+        def ask(chat) -> str:
+            body = json.dumps({"model": "smollm2-135m-instruct", "messages": chat, "max_tokens": 24,
+                               "temperature": 0}).encode()
+            request = urllib.request.Request(f"{system.url}/v1/chat/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())["choices"][0]["message"]["content"]
+
+        assert [ask(chat) for chat in messages] == expected
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, messages + messages)) == expected + expected
