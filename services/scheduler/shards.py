@@ -17,7 +17,8 @@ One script a poll (SHARD_SCRIPT), atomic:
 - take free live workers while holding no more than the fewest any live scheduler holds;
 - with room, take active requests no live scheduler owns (they waited in Redis, or were left).
 New requests are taken by CLAIM_SCRIPT, only while this scheduler's lease holds: key by key in turn
-across schedulers (keys:turns), and each one by the scheduler that named its prefix, if that one has room.
+across schedulers (keys:turns), each one by the scheduler that named its prefix if that one has room,
+the others by whichever live scheduler has the most room (scheduler:rooms), so a burst is shared out.
 
 And in the scheduler (services/scheduler/service.py, liveness.py): one left with requests and no
 live worker while another holds one deletes its own lease and joins again (its requests run on
