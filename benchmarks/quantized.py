@@ -10,7 +10,6 @@ Writes benchmarks/results/NAME.md.
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import engine_decode_seconds  # noqa: E402
+from benchmarks.vs_llama_server import cpu_name  # noqa: E402
 from services.worker.engine import Engine, weight_bytes  # noqa: E402
 from shared.config import Settings  # noqa: E402
 
@@ -32,13 +32,6 @@ ENGINES = {  # name: (dtype, quantization)
 # Packed in float32 is a reference for exactness (tests/test_models.py), not a speed: torch's CPU int4
 # kernel has no fast float32 path (148 ms a 1-row step, 603 ms a 4-row one, on an AMD EPYC with AVX-512).
 SLOW = {"packed, float32": ("float32", "gguf")}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

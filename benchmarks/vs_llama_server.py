@@ -89,6 +89,13 @@ def load(script: Path, url: str, model: str, mode: str, seed_offset: int, out: P
     return json.loads(out.read_text())
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def server_arguments(variant: str) -> tuple[str, ...]:
     """iterserve's arguments for a --dtypes entry: DTYPE, or gguf-DTYPE (served quantized)."""
     if variant.startswith("gguf-"):
@@ -145,7 +152,7 @@ def main() -> None:
         print("\n".join(map(sampled_over_greedy, dtypes)))
         return
     lines = ["# iterserve against llama.cpp's llama-server on the same cores (executor: engine, SmolLM2-135M)", "",
-             f"Measured on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads per "
+             f"Measured on {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
              "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker; "

@@ -120,14 +120,9 @@ def test_each_family_difference_is_needed_to_match_transformers(checkpoints, var
     assert tokens != expected_tokens
 
 
-@pytest.mark.parametrize("tensor_type", ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q4_0"])
-@pytest.mark.parametrize(("variant", "architecture"), [("llama", "llama"), ("llama3.1-rope", "llama"),
-                                                      ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
-def test_gguf_greedy_tokens_and_logits_equal_transformers_on_the_dequantized_weights(checkpoints, tmp_path,
-                                                                                        variant, architecture,
-                                                                                        tensor_type):
-    """A GGUF written as llama.cpp writes it (Llama's Q/K rows permuted); the oracle is
-    transformers holding the weights as the file's tensor type rounds them."""
+def gguf_and_oracle(checkpoints, tmp_path, variant: str, architecture: str, tensor_type: str):
+    """The variant written as a GGUF of the tensor type, and transformers holding the weights as
+    that type rounds them."""
     model, _ = checkpoints[variant]
     path = tmp_path / f"{variant}-{tensor_type}.gguf"
     dequantized = write_gguf(model, path, tensor_type, architecture)
@@ -136,8 +131,19 @@ def test_gguf_greedy_tokens_and_logits_equal_transformers_on_the_dequantized_wei
                            strict=False)
     if model.config.tie_word_embeddings:
         oracle.tie_weights()
-    assert_matches(engine_for(str(path)), oracle, F32_ATOL if tensor_type == "F32" else QUANTIZED_ATOL)
+    return path, oracle
 
+
+@pytest.mark.parametrize("tensor_type", ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q4_0"])
+@pytest.mark.parametrize(("variant", "architecture"), [("llama", "llama"), ("llama3.1-rope", "llama"),
+                                                      ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_greedy_tokens_and_logits_equal_transformers_on_the_dequantized_weights(checkpoints, tmp_path,
+                                                                                        variant, architecture,
+                                                                                        tensor_type):
+    """A GGUF written as llama.cpp writes it (Llama's Q/K rows permuted); the oracle is
+    transformers holding the weights as the file's tensor type rounds them."""
+    path, oracle = gguf_and_oracle(checkpoints, tmp_path, variant, architecture, tensor_type)
+    assert_matches(engine_for(str(path)), oracle, F32_ATOL if tensor_type == "F32" else QUANTIZED_ATOL)
 
 
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
@@ -149,14 +155,7 @@ def test_gguf_served_quantized_equals_transformers_on_the_dequantized_weights(ch
     computing in float32, gives transformers' tokens and logits on the file's dequantized weights."""
     from services.worker.quantized import PackedLinear
 
-    model, _ = checkpoints[variant]
-    path = tmp_path / f"{variant}-{tensor_type}.gguf"
-    dequantized = write_gguf(model, path, tensor_type, architecture)
-    oracle = transformers_model(variant)
-    oracle.load_state_dict({name: torch.from_numpy(array.copy()) for name, array in dequantized.items()},
-                           strict=False)
-    if model.config.tie_word_embeddings:
-        oracle.tie_weights()
+    path, oracle = gguf_and_oracle(checkpoints, tmp_path, variant, architecture, tensor_type)
     engine = LogitsEngine.from_settings(Settings(model=str(path), kv_blocks=64, kv_block_size=8, device="cpu",
                                                  dtype="float32", max_batch_size=8, quantization="gguf"))
     layer = engine.model.layers[0]

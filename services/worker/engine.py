@@ -91,7 +91,8 @@ def weight_bytes(model) -> int:
     seen, total = set(), 0
     for holder in [model, *getattr(model, "layers", ())]:
         for name, value in vars(holder).items():
-            if name.startswith("rope_") or id(value) in seen or not (isinstance(value, torch.Tensor) or hasattr(value, "nbytes")):
+            held = isinstance(value, torch.Tensor) or hasattr(value, "nbytes")  # (a PackedLinear too)
+            if name.startswith("rope_") or id(value) in seen or not held:
                 continue
             seen.add(id(value))
             total += value.nbytes

@@ -73,7 +73,8 @@ PAD_ONE_ROW_BFLOAT16 = (any(flag in _cpuinfo().split() for flag in ("avx512_bf16
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ weight.T for x [T, in], weight [out, in] (a tensor, or a PackedLinear: kept quantized): [T, out], contiguous."""
+    """x @ weight.T for x [T, in], weight [out, in] (a tensor, or a PackedLinear: kept quantized):
+    [T, out], contiguous."""
     if isinstance(weight, PackedLinear):
         return weight(x)
     if (x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu"

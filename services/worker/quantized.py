@@ -33,7 +33,8 @@ class Int4Part:
 
     def dequantized(self) -> np.ndarray:
         rows, columns = self.q.shape
-        grouped = (self.q.reshape(rows, -1, GROUP).astype(np.float32) - 8) * self.scale[..., None] + self.zero[..., None]
+        grouped = self.q.reshape(rows, -1, GROUP).astype(np.float32) - 8
+        grouped = grouped * self.scale[..., None] + self.zero[..., None]
         return grouped.reshape(rows, columns)
 
 
