@@ -140,8 +140,8 @@ class Settings(BaseModel):
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, f32 on cpu
     # vLLM's --quantization: "gguf" keeps a GGUF's Q4_0, Q4_1, Q4_K and Q8_0 tensors packed in memory
-    # and multiplies them by torch's dequantizing int4 kernel (services/worker/quantized.py; CPU, one
-    # worker process a model copy), computing in bfloat16 unless dtype says otherwise; "none" (the
+    # and multiplies them by torch's dequantizing int4 kernel (services/worker/quantized.py; on the CPU,
+    # a worker of one process), computing in bfloat16 unless dtype says otherwise; "none" (the
     # default) dequantizes every tensor to the dtype at load.
     quantization: Literal["none", "gguf"] = "none"
     attention: Literal["batched", "per_request"] = "batched"

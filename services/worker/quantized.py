@@ -12,7 +12,8 @@ with q in 0..15. llama.cpp's types map onto it exactly (the scales only rounded 
 Other types (F32, F16, Q5_*, Q6_K ...) are dequantized as without quantization.
 
 The kernel computes each row of x alone (a row's result does not depend on the other rows of the
-step: tests/test_quantized.py), so the served tokens do not depend on the batch.
+step: tests/test_quantized.py), so these projections do not make a request's tokens depend on its
+batch (in bfloat16 the decode workspace's attention still does: docs/models.md).
 """
 
 from dataclasses import dataclass
