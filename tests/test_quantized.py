@@ -115,7 +115,7 @@ def test_the_packaged_model_served_quantized_gives_the_dequantized_float32_model
 def test_served_quantized_in_bfloat16_a_requests_tokens_do_not_depend_on_its_batch(packaged):
     """Each request alone, then all four in one batch, step by step: the same tokens. Without the
     decode workspace: its attention over the batch's keys padded to one length is not
-    batch-invariant in bfloat16 (with it, two of these four requests differ by token 10)."""
+    batch-invariant in bfloat16 (with it, two of these four requests come out otherwise)."""
     engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", quantization="gguf",
                                                  decode_workspace_tokens=0))
     assert engine.model.dtype == torch.bfloat16
