@@ -92,7 +92,7 @@ def bfloat16_against_transformers(transformers_model, tokenizer) -> dict:
     engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", dtype="bfloat16"))
     assert engine.model.dtype == torch.bfloat16
     agree = total = 0
-    differences = []
+    differences, margins = [], []
     for index, messages in enumerate(CHAT_PROMPTS):
         prompt = tokenizer.encode_chat(messages)
         with torch.inference_mode():
@@ -112,7 +112,12 @@ def bfloat16_against_transformers(transformers_model, tokenizer) -> dict:
         engine.free(request_id)
         agree += sum(ours == theirs for ours, theirs in zip(picks, expected))
         total += len(expected)
-    return {"agree": agree, "total": total, "difference_of_rms": differences,
+        if picks != expected:  # how close float32's own logits were where the pick differs
+            with torch.inference_mode():
+                logits = transformers_model(torch.tensor([prompt + expected[:-1]])).logits[0, len(prompt) - 1:]
+            margins += [float(logits[position, theirs] - logits[position, ours]) / rms
+                        for position, (ours, theirs) in enumerate(zip(picks, expected)) if ours != theirs]
+    return {"agree": agree, "total": total, "difference_of_rms": differences, "margins": margins,  # (as shares of the logits' RMS)
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
@@ -125,7 +130,8 @@ HOST_CLASSES = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MA
 @pytest.mark.parametrize("host_class", sorted(HOST_CLASSES))
 def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transformers_model, tokenizer, host_class):
     """`--dtype bfloat16` (its matmuls run about twice as fast on a CPU with AVX512-BF16) picks
-    transformers' float32 token 72 of 72 times, on both host classes (docs/models.md says so), and its
+    transformers' float32 token at least 71 of 72 times, on both host classes, differing only at a
+    near-tie of float32's logits (docs/models.md says so), and its
     first logits are within bfloat16's precision of float32's: the difference's RMS within 0.1 x the
     logits' RMS and its largest value within 0.25 x. Measured on an Intel Xeon (2026-12-06): native
     (AVX-512) RMS 0.009-0.048, largest 0.033-0.106; held to AVX2 RMS 0.007-0.018, largest 0.025-0.061;
@@ -150,7 +156,11 @@ def test_bfloat16_weights_on_the_cpu_agree_with_transformers_in_float32(transfor
         assert measured["capability"] == "AVX2", measured
     for difference_rms, largest in measured["difference_of_rms"]:
         assert difference_rms <= 0.1 and largest <= 0.25, measured
-    assert measured["agree"] == measured["total"] == 72, f"{measured['agree']} of {measured['total']}: {measured}"
+    # 72 of 72 on the Intel Xeon and AVX2 hosts; 71 on an AMD EPYC of family 26 (Zen 5, AVX512-BF16),
+    # float32's own top two there 0.02 x the logits' RMS apart: a pick may differ only where float32's
+    # gap is within what bfloat16's logits may differ by (the largest difference's bound above).
+    assert measured["total"] == 72 and measured["agree"] >= 71, f"{measured['agree']} of 72: {measured}"
+    assert all(margin <= 0.25 for margin in measured["margins"]), measured
 
 
 # Selective batching: a mixed step equals each request run alone

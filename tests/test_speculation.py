@@ -98,8 +98,33 @@ def test_acceptance_counts_the_proposals_before_the_first_that_differs():
     assert propose_ngram([1, 2, 3], 2) == []
 
 
+def float32_rows_alone_equal_rows_together() -> bool:
+    """Whether this host's float32 projections (the engine's `linear`, at SmolLM2's shapes) give a row
+    the same bits alone as among the 5 rows of a verifying step. Seeded exactness under speculation
+    rests on it: a sampled token follows any difference of its logits, however small. It holds on the
+    Intel Xeon and AVX2-only AMD EPYC hosts; on an AMD EPYC of family 26 (Zen 5, AVX-512) MKL's float32
+    kernels round a row by the step's row count, and a seeded run drifts (greedy ones do not)."""
+    from services.worker.model import linear
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(5, 576, generator=generator)
+    for shape in ((1728, 576), (3072, 576), (576, 1536), (49152, 576)):
+        weight = torch.randn(*shape, generator=generator)
+        if not torch.equal(linear(rows[:1], weight), linear(rows, weight)[:1]):
+            return False
+    return True
+
+
+ROW_INVARIANT = float32_rows_alone_equal_rows_together()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("sampling", [
+    "greedy",
+    pytest.param("seeded", marks=pytest.mark.xfail(
+        not ROW_INVARIANT, strict=False,
+        reason="this host's float32 projections round a row by the step's row count (MKL on AMD Zen 5)")),
+])
 def test_the_packaged_model_with_prompt_lookup_gives_the_tokens_of_decoding_one_at_a_time(engine_alone, tokenizer,
                                                                                             sampling):
     """SmolLM2 asked to copy a passage: n-gram lookup proposes most of it and the tokens are those of
