@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import engine_decode_seconds  # noqa: E402
-from benchmarks.vs_llama_server import cpu_name  # noqa: E402
+from services.bench.runner import machine_info  # noqa: E402
 from services.worker.engine import Engine, weight_bytes  # noqa: E402
 from shared.config import Settings  # noqa: E402
 
@@ -62,8 +62,8 @@ def main() -> None:
               flush=True)
     one = rows[0][1]
     lines = [f"# Decode steps with the weights dequantized or kept packed (executor: engine, SmolLM2-135M Q4_1)", "",
-             f"{cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}; context "
-             f"{args.context} tokens, best of {args.rounds} turns of {args.steps} steps; "
+             f"{machine_info()['cpu']}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}; "
+             f"context {args.context} tokens, best of {args.rounds} turns of {args.steps} steps; "
              f"`.venv/bin/python benchmarks/quantized.py --name {args.name}` ({time.time() - started:.0f} s).", "",
              "| rows | " + " | ".join(f"{name} (ms)" for name in engines) + " | packed bfloat16 / float32 |",
              "|---|" + "---|" * (len(engines) + 1)]

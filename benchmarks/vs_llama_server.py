@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.bench.runner import machine_info  # noqa: E402
 from services.bench.server import ServerProcess  # noqa: E402
 from services.launcher import die_with_parent, free_port  # noqa: E402
 from shared.model_file import locate_gguf  # noqa: E402
@@ -87,13 +87,6 @@ def load(script: Path, url: str, model: str, mode: str, seed_offset: int, out: P
                "--json-out", str(out), *MODES[mode]]
     subprocess.run(command, check=True, timeout=3600, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def server_arguments(variant: str) -> tuple[str, ...]:
@@ -152,7 +145,7 @@ def main() -> None:
         print("\n".join(map(sampled_over_greedy, dtypes)))
         return
     lines = ["# iterserve against llama.cpp's llama-server on the same cores (executor: engine, SmolLM2-135M)", "",
-             f"Measured on {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads per "
+             f"Measured on {machine_info()['cpu']}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
              f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
              "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker; "

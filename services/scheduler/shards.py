@@ -223,6 +223,15 @@ for i = 12, #ARGV, 4 do
   end
 end
 table.sort(order, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+-- The other live schedulers with room, each with its room as it last wrote it (counted down below
+-- by what this take leaves it), and which of them had room at the start.
+local others, roomy, listed = {}, {}, redis.call('HGETALL', rooms)
+for i = 1, #listed, 2 do
+  local id, others_room = listed[i], tonumber(listed[i + 1]) or 0
+  if id ~= me and others_room > 0 and redis.call('GET', lease_prefix .. id) == id then
+    others[id], roomy[id] = others_room, true
+  end
+end
 -- The live scheduler (this one included) with room whose worker holds the request's prefix, or nil.
 local function prefix_holder(i)
   local anchors, tokens = ARGV[i + 3], tonumber(ARGV[i + 2])
@@ -230,18 +239,11 @@ local function prefix_holder(i)
     local holder = redis.call('GET', anchor_prefix .. string.sub(anchors, 16 * depth - 15, 16 * depth))
     if holder then
       if depths[depth] < threshold * tokens then return nil end
-      if holder == me then return me end
-      if redis.call('GET', lease_prefix .. holder) == holder
-        and tonumber(redis.call('HGET', rooms, holder) or '0') > 0 then return holder end
+      if holder == me or roomy[holder] then return holder end
       return nil
     end
   end
   return nil
-end
-local others, listed = {}, redis.call('HGETALL', rooms)
-for i = 1, #listed, 2 do
-  local id, others_room = listed[i], tonumber(listed[i + 1]) or 0
-  if id ~= me and others_room > 0 and redis.call('GET', lease_prefix .. id) == id then others[id] = others_room end
 end
 local function roomier()
   local best, most = nil, room
@@ -403,8 +405,9 @@ class ShardMembership:
     async def claim(self, requests: list[NewRequestEntry], room: int, threshold: float,
                     prefix_aware: bool) -> tuple[list[str], list[str]]:
         """Of the new requests read (oldest first), those this scheduler takes now, at most `room`:
-        key by key in turn, leaving to another scheduler with room one whose prefix its worker holds
-        (CLAIM_SCRIPT). Returns (ids it owns now, ids to forget). Raises LeaseLost."""
+        key by key in turn, leaving to another scheduler with room one whose prefix its worker holds,
+        and each other one to a scheduler with more room (CLAIM_SCRIPT). Returns (ids it owns now, ids
+        to forget). Raises LeaseLost."""
         model_keys = self.model_keys
         arguments = [part for request in requests
                      for part in (request.request_id, request.client_key, request.prompt_tokens, request.anchors)]

@@ -103,33 +103,15 @@ def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, half, 2, columns).swapaxes(1, 2).reshape(rows, columns)
 
 
-def convert_gguf(path: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+def convert_gguf(path: str, config: ModelConfig, keep_packed: tuple[str, ...] = ()) -> dict:
     """Dequantize every tensor to float32, names as in the GGUF, Q/K rows un-permuted where the
-    converter permuted them."""
+    converter permuted them; the 2-D tensors of a type in keep_packed (`--quantization gguf`:
+    services/worker/quantized.py PACKED_TYPES) instead kept as they are in the file, unpacked to
+    int4 parts (QuantizedTensor), their rows un-permuted alike."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    permuted = ARCHITECTURES[config.architecture].gguf_rotary_permuted
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in GGUFReader(path).tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape([int(dim) for dim in reversed(tensor.shape)])
-        if permuted and tensor.name.endswith("attn_q.weight"):
-            array = unpermute_rotary_rows(array, config.n_heads)
-        elif permuted and tensor.name.endswith("attn_k.weight"):
-            array = unpermute_rotary_rows(array, config.n_kv_heads)
-        tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-    return tensors
-
-
-def read_gguf_quantized(path: str, config: ModelConfig) -> dict[str, "torch.Tensor | QuantizedTensor"]:
-    """`--quantization gguf`: the 2-D tensors of a type kept quantized (services/worker/quantized.py)
-    as they are in the file, unpacked to int4 parts (Q/K rows un-permuted as convert_gguf does);
-    every other tensor dequantized to float32."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    from services.worker.quantized import PACKED_TYPES, rows_permuted, unpack
+    from services.worker.quantized import rows_permuted, unpack
 
     permuted = ARCHITECTURES[config.architecture].gguf_rotary_permuted
     tensors: dict = {}
@@ -137,7 +119,7 @@ def read_gguf_quantized(path: str, config: ModelConfig) -> dict[str, "torch.Tens
         shape = [int(dim) for dim in reversed(tensor.shape)]
         heads = (config.n_heads if tensor.name.endswith("attn_q.weight") else
                  config.n_kv_heads if tensor.name.endswith("attn_k.weight") else 0)
-        if tensor.tensor_type.name in PACKED_TYPES and len(shape) == 2:
+        if tensor.tensor_type.name in keep_packed and len(shape) == 2:
             quantized = unpack(tensor.tensor_type.name, tensor.data, *shape)
             if permuted and heads:
                 quantized = rows_permuted(quantized, lambda rows: unpermute_rotary_rows(rows, heads).copy())
@@ -156,7 +138,9 @@ def load_weights(metadata: ModelMetadata, quantization: str = "none") -> Mapping
     if quantization == "gguf":
         if metadata.format != "gguf":
             raise ModelFileError(f"{metadata.path}: --quantization gguf needs a GGUF model file")
-        return read_gguf_quantized(metadata.path, metadata.config)
+        from services.worker.quantized import PACKED_TYPES
+
+        return convert_gguf(metadata.path, metadata.config, keep_packed=PACKED_TYPES)
     if metadata.format == "hf":
         weights = CheckpointWeights(Path(metadata.path))
         missing = [name for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight")
