@@ -122,14 +122,16 @@ def main() -> None:
     started = time.time()
     results: dict[str, dict[str, list[dict]]] = {}  # workload -> server -> a row per level
     checks: dict[str, list[int]] = {}  # "server workload" -> [outputs equal to the plain server's, outputs]
+    acceptance: dict[str, dict[str, float]] = {}  # speculating server -> its drafts, proposed and kept tokens
     with contextlib.ExitStack() as stack:
         servers = []  # (name, url, model, the server it is compared with)
         for dtype in args.dtypes.split(","):
             plain = stack.enter_context(ServerProcess(workers=1, threads=args.threads, extra_args=("--dtype", dtype)))
             speculating = stack.enter_context(ServerProcess(workers=1, threads=args.threads, extra_args=(
                 "--dtype", dtype, "--speculative-config", args.config)))
+            method = "draft" if "model" in json.loads(args.config) else "ngram"
             servers += [(f"iterserve-{dtype}", plain.url, "smollm2-135m-instruct", None),
-                        (f"iterserve-{dtype}+ngram", speculating.url, "smollm2-135m-instruct", f"iterserve-{dtype}")]
+                        (f"iterserve-{dtype}+{method}", speculating.url, "smollm2-135m-instruct", f"iterserve-{dtype}")]
             if args.depth_one:
                 unpipelined = stack.enter_context(ServerProcess(workers=1, threads=args.threads, extra_args=(
                     "--dtype", dtype, "--pipeline-depth", "1")))
@@ -162,6 +164,16 @@ def main() -> None:
                                     max(1, -(-args.requests // level)))
                     results.setdefault(workload, {}).setdefault(name, []).append(row)
                     print(f"  {row['tok_s']:.1f} tok/s, TPOT {row['tpot_mean_s'] * 1000:.1f} ms", flush=True)
+        for name, url, _, baseline in servers:  # what the speculating servers kept, over the whole run
+            if baseline and name.startswith("iterserve") and "+" in name:
+                import urllib.request
+
+                with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+                    metrics = response.read().decode()
+                counts = [sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                              if line.startswith(f"vllm:spec_decode_num_{kind}_total"))
+                          for kind in ("drafts", "draft_tokens", "accepted_tokens")]
+                acceptance[name] = dict(zip(("drafts", "proposed", "kept"), counts))
     shown = " / ".join(map(str, levels))
     lines = ["# Speculative decoding through the whole system (executor: engine, SmolLM2-135M)", "",
              f"Measured on {machine_info()['cpu']}, {os.cpu_count()} cores, {args.threads} "
@@ -186,12 +198,17 @@ def main() -> None:
                 same = checks.get(f"{name} {workload}")
                 lines.append(f"| {workload} | {name} / {baseline} | {ratio} | "
                              f"{'not checked' if same is None else f'{same[0]} of {same[1]}'} |")
+    for name, counts in acceptance.items():
+        lines.append(f"\n{name}, the whole run (every workload and level, the equality checks too): "
+                     f"{counts['drafts']:.0f} verifications, {counts['kept']:.0f} of {counts['proposed']:.0f} "
+                     f"proposed tokens kept ({counts['kept'] / max(counts['proposed'], 1):.0%}).")
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "speculation_system" + (f"_{args.name}" if args.name else "")
     (args.out / f"{stem}.md").write_text(text + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps({"executor": "engine", "checks": checks, **results}, indent=2)
+    (args.out / f"{stem}.json").write_text(json.dumps({"executor": "engine", "checks": checks,
+                                                       "acceptance": acceptance, **results}, indent=2)
                                            + "\n")
 
 

@@ -260,6 +260,18 @@ def require_model(settings: Settings, command: str, parser: argparse.ArgumentPar
             if settings.max_model_len > context:
                 parser.exit(2, f"{parser.prog}: error: --max-model-len {settings.max_model_len} exceeds the context "
                                f"length of {served.name} ({context})\n")
+    from shared.speculative import parse_speculative_config
+
+    speculative = parse_speculative_config(settings.speculative_config)  # (Settings has checked the JSON)
+    if speculative is not None and speculative.proposed_by_worker:
+        from shared.model_file import load_metadata, serving_config
+        from shared.speculative import draft_model_problem
+
+        for served in models:
+            context = serving_config(load_metadata(served.path).config, settings.max_model_len).context_length
+            if problem := draft_model_problem(speculative.model, settings.tokenizer or served.path, context,
+                                              speculative.draft_packed):
+                parser.exit(2, f"{parser.prog}: error: {problem}\n")
     if settings.tokenizer:
         from shared.model_file import load_metadata
 

@@ -238,6 +238,9 @@ class Settings(BaseModel):
             raise ValueError("speculative_config needs the iteration policy (a request-level batch runs to its end)")
         if speculative is not None and self.executor == "emulated":
             raise ValueError("speculative_config: the emulated executor runs no model, so it verifies no proposal")
+        if speculative is not None and speculative.proposed_by_worker and self.group_size > 1:
+            raise ValueError("speculative_config: a draft model runs in one worker process: not with "
+                             "tensor_parallel or pipeline_parallel")
         if self.quantization == "gguf" and self.group_size > 1:
             raise ValueError("quantization gguf runs in one worker process: not with tensor_parallel or "
                              "pipeline_parallel")

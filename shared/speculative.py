@@ -1,10 +1,11 @@
 """Speculative decoding's configuration (vLLM's --speculative-config JSON) and the n-gram proposer.
 
-The scheduler proposes (propose_ngram, over a request's prompt and output so far) and plans a
-verification item per speculating request (services/scheduler/batch_formation.py); the worker
-verifies every proposal in the one step (services/worker/speculation.py). Only what the scheduler
-can propose from the tokens it already holds is served: `ngram` (vLLM's prompt lookup). A draft
-model is refused at start with a message saying so.
+The scheduler plans a verification item per speculating request (services/scheduler/batch_formation.py)
+and the worker verifies every proposal in the one step (services/worker/speculation.py). Who proposes:
+- `ngram` (vLLM's prompt lookup): the scheduler, over the tokens it already holds (propose_ngram);
+- `draft_model`: the worker, with a second, smaller model of the same tokenizer that it runs before
+  the target on the speculating items (services/worker/draft.py); the scheduler's plan holds
+  placeholders where the proposals go.
 """
 
 import json
@@ -13,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_SPECULATIVE_TOKENS = 15  # proposals one item may carry (a result's per-item token count is a uint8)
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(BaseModel):
@@ -21,7 +22,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: str
+    method: str = ""  # "": draft_model where a model is given (as vLLM infers it)
     num_speculative_tokens: int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS)
     # n-gram lookup: the longest suffix of n tokens (max .. min) that occurred before proposes what followed it
     prompt_lookup_min: int = Field(1, ge=1, le=64)
@@ -30,12 +31,28 @@ class SpeculativeConfig(BaseModel):
     # of many rows is no longer bound by reading the weights: verifying proposals costs compute).
     # 0: iterserve's default, DEFAULT_DISABLE_BY_BATCH_SIZE.
     disable_by_batch_size: int = Field(0, ge=0, le=4096)
-    model: str | None = None  # a draft model: not served (see below)
+    model: str | None = None  # the draft model (method draft_model): a GGUF, checkpoint directory or name
+    # vLLM's: how the draft's weights are held. "gguf": a GGUF draft's quantized tensors kept packed
+    # (as --quantization gguf holds a target's; CPU only, in bfloat16): a cheap draft made of the
+    # target's own GGUF, say. None: as the target's dtype, dequantized.
+    quantization: str | None = None
 
     @model_validator(mode="after")
     def _served(self) -> "SpeculativeConfig":
-        if self.method == "draft_model" or self.model:
-            raise ValueError("method draft_model (a draft model) is not served yet: use method ngram")
+        if not self.method:
+            if not self.model:
+                raise ValueError("no method: give method ngram, or method draft_model with a model")
+            object.__setattr__(self, "method", "draft_model")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs a model (the draft: a GGUF, a checkpoint directory or "
+                             "smollm2-135m-instruct)")
+        if self.method == "ngram" and self.model:
+            raise ValueError("method ngram proposes from the request's own tokens: it takes no model")
+        if self.quantization not in (None, "none", "gguf"):
+            raise ValueError(f"quantization {self.quantization!r}: a draft's weights are held as the target's "
+                             "dtype (none) or packed from its GGUF (gguf)")
+        if self.quantization == "gguf" and self.method != "draft_model":
+            raise ValueError("quantization is the draft model's: method ngram has none")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r} (served: {', '.join(METHODS)})")
         if self.prompt_lookup_max and self.prompt_lookup_max < self.prompt_lookup_min:
@@ -48,8 +65,20 @@ class SpeculativeConfig(BaseModel):
         return self.prompt_lookup_max or self.prompt_lookup_min
 
     @property
+    def proposed_by_worker(self) -> bool:
+        """Whether the worker proposes (a draft model), the plan holding placeholders for it."""
+        return self.method == "draft_model"
+
+    @property
+    def draft_packed(self) -> bool:
+        """Whether the draft's GGUF tensors are kept packed (quantization gguf)."""
+        return self.quantization == "gguf"
+
+    @property
     def batch_limit(self) -> int:
-        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        if self.disable_by_batch_size:
+            return self.disable_by_batch_size
+        return DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE if self.proposed_by_worker else DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
 # Speculation stops at a worker running more requests than this (the config's disable_by_batch_size
@@ -57,6 +86,11 @@ class SpeculativeConfig(BaseModel):
 # 4 rows x 5 tokens costs about a 4-row plain step in bfloat16 on the Intel class, and past ~8 rows
 # a step is no longer bound by reading the weights, so proposals that fail cost their compute.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# A draft model's proposals cost its passes, one per proposal, each costing more with every row:
+# measured with SmolLM2's own Q4_0 GGUF as the draft of its float32 self on the AMD EPYC AVX2 class
+# (docs/speculation.md), 1.42x at one request, 0.66x at two, 0.46x at four. A draft far smaller than
+# its target moves that point: the config's disable_by_batch_size sets it.
+DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE = 1
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -76,6 +110,32 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         problems = "; ".join(f"{'.'.join(map(str, problem['loc'])) or 'config'}: {problem['msg']}"
                              for problem in error.errors())
         raise ValueError(f"speculative_config: {problems}") from None
+
+
+def draft_model_problem(draft: str, target: str, context_length: int, packed: bool = False) -> str | None:
+    """Why `draft` cannot propose for `target` served with this context length, or None: it must load,
+    speak the same vocabulary (token for token: a proposal is a token id of the target's) and hold
+    the served context (its positions reach every one the target's do)."""
+    from shared.model_file import ModelFileError, load_metadata
+    from shared.tokenizer import Tokenizer
+
+    try:
+        draft_metadata = load_metadata(draft)
+        draft_vocabulary = Tokenizer.load(draft).vocabulary()
+    except (ModelFileError, OSError, ValueError) as error:
+        return f"speculative_config: the draft model {draft}: {error}"
+    if packed and draft_metadata.format != "gguf":
+        return f"speculative_config: quantization gguf packs a GGUF draft's tensors, and {draft} is not a GGUF file"
+    target_vocabulary = Tokenizer.load(target).vocabulary()
+    if draft_vocabulary != target_vocabulary:
+        differ = len(set(draft_vocabulary.items()) ^ set(target_vocabulary.items()))
+        return (f"speculative_config: the draft model {draft} has another tokenizer than {target} "
+                f"({len(draft_vocabulary)} against {len(target_vocabulary)} tokens, {differ} entries differ): "
+                "a draft must share the target's vocabulary")
+    if draft_metadata.config.context_length < context_length:
+        return (f"speculative_config: the draft model {draft} holds {draft_metadata.config.context_length} "
+                f"positions, fewer than the {context_length} served for {target}: pass a smaller --max-model-len")
+    return None
 
 
 def propose_ngram(tokens: list[int] | tuple[int, ...], count: int, min_n: int = 1, max_n: int = 4) -> list[int]:

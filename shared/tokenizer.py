@@ -312,6 +312,10 @@ class Tokenizer:
         """The tokenizer as tokenizers' JSON (the grammar engine builds its own copy from it)."""
         return self._backend.to_str()
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every entry (added tokens too) and its id."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry as the vocabulary spells it (e.g. "<|im_end|>", "Ġthe")."""
         return self._backend.token_to_id(token)

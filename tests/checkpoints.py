@@ -265,3 +265,25 @@ def write_sentencepiece_tokenizer(directory: Path) -> None:
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
         "chat_template": "{{ bos_token }}{% for message in messages %}[INST] {{ message['content'] }} [/INST]"
                          "{% endfor %}"}))
+
+
+def draft_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama with the packaged SmolLM2's vocabulary and tokenizer (its tokenizer.json,
+    end-of-sequence and chat template): a draft model that may propose for it (and accepts about
+    nothing: its weights are random)."""
+    from shared.model_file import load_metadata
+    from shared.tokenizer import Tokenizer
+
+    smollm2 = Tokenizer.load()
+    metadata = load_metadata()
+    model = transformers_model("llama", seed, vocab_size=metadata.config.vocab_size,
+                               max_position_embeddings=metadata.config.context_length,
+                               eos_token_id=smollm2.token_to_id(smollm2.eos_token),
+                               bos_token_id=smollm2.token_to_id(smollm2.bos_token) or 0, **overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    (directory / "tokenizer.json").write_text(smollm2.backend_json())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": smollm2.eos_token, "bos_token": smollm2.bos_token,
+         "chat_template": smollm2.chat_template_source}))
+    return directory

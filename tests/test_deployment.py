@@ -281,6 +281,18 @@ def test_max_model_len_and_gpu_memory_utilization_size_what_a_worker_serves(monk
     assert Engine.kv_blocks_in(TINY_CONFIG, settings, torch.device("cpu"), torch.float32) == (5 * gib - own) // block
     with pytest.raises(KVPoolTooSmall, match="more than cpu has free"):  # 7 GiB wanted, 6 free
         Engine.kv_blocks_in(TINY_CONFIG, Settings(gpu_memory_utilization=0.7), torch.device("cpu"), torch.float32)
+    # A draft model (speculative_config draft_model): its weights are the worker's own, and its KV
+    # sits at every slot of the pool, so a block costs the target's and the draft's bytes.
+    from shared.model_file import load_metadata
+
+    smollm2 = load_metadata().config
+    drafting = Settings(gpu_memory_utilization=0.5, kv_block_size=16, speculative_config=json.dumps(
+        {"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 2}))
+    with_draft = engine_module.own_bytes(TINY_CONFIG, drafting, torch.float32)
+    assert with_draft - own == engine_module.shaped_weight_bytes(smollm2, torch.float32)
+    draft_block = 2 * smollm2.n_layers * smollm2.n_kv_heads * smollm2.head_dim * 16 * 4
+    assert (Engine.kv_blocks_in(TINY_CONFIG, drafting, torch.device("cpu"), torch.float32)
+            == (5 * gib - with_draft) // (block + draft_block))
     monkeypatch.setattr(engine_module, "own_bytes", lambda *args: 4 * gib + 1)
     with pytest.raises(KVPoolTooSmall, match="no room for a KV block"):
         Engine.kv_blocks_in(TINY_CONFIG, Settings(gpu_memory_utilization=0.4), torch.device("cpu"), torch.float32)

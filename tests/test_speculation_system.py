@@ -2,7 +2,8 @@
 Redis and the packaged model): greedy outputs equal the engine alone decoding one token a step, for a
 request that copies its prompt (most proposals kept) and one that does not, alone and four at once,
 streamed (the worker writes the token entries of the tokens it keeps) and not; /metrics counts the
-proposals under vLLM's names; a bad config is refused at start with a clear message."""
+proposals under vLLM's names; a bad config is refused at start with a clear message. The same with
+a draft model (method draft_model): the target as its own draft, and a tiny random one."""
 
 import concurrent.futures
 import json
@@ -48,35 +49,78 @@ def metric(text: str, name: str) -> float:
     return sum(float(value) for value in found)
 
 
-def test_speculating_system_gives_the_engine_alones_greedy_outputs_alone_and_batched(engine_alone, tokenizer):
+@pytest.fixture(scope="module")
+def expected(engine_alone, tokenizer) -> list[tuple[str, str]]:
+    """Each conversation's greedy text and finish reason, from the engine alone decoding one token a step."""
     from tests.engine_helpers import generate_alone
 
-    expected = []
+    answers = []
     for messages in MESSAGES:
         output = generate_alone(engine_alone, "oracle", tokenizer.encode_chat(messages), MAX_TOKENS,
                                 stop_ids=tokenizer.stop_token_ids)
-        expected.append((tokenizer.decode(output), "stop" if output[-1] in tokenizer.stop_token_ids else "length"))
+        answers.append((tokenizer.decode(output), "stop" if output[-1] in tokenizer.stop_token_ids else "length"))
+    return answers
+
+
+def served_alone_streamed_and_batched(system: System, expected: list[tuple[str, str]]) -> tuple[float, float, float]:
+    """Check the system's greedy answers (the first conversation alone, plain and streamed, then all
+    four at once, plain and streamed) against `expected`; its (drafts, proposed, kept) counts after
+    the first two."""
+    bodies = [{"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+              for messages in MESSAGES]
+    assert post(system.url, bodies[0]) == expected[0]  # alone
+    assert post(system.url, bodies[0], stream=True) == expected[0]
+    with urllib.request.urlopen(f"{system.url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    counts = tuple(metric(metrics, f"vllm:spec_decode_num_{name}_total")
+                   for name in ("drafts", "draft_tokens", "accepted_tokens"))
+    for stream in (False, True):  # four at once
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda body: post(system.url, body, stream), bodies))
+        assert answers == expected
+    return counts
+
+
+def test_speculating_system_gives_the_engine_alones_greedy_outputs_alone_and_batched(expected):
     with System("--speculative-config", CONFIG, workers=1) as system:
-        bodies = [{"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-                  for messages in MESSAGES]
-        assert post(system.url, bodies[0]) == expected[0]  # alone
-        assert post(system.url, bodies[0], stream=True) == expected[0]
-        with urllib.request.urlopen(f"{system.url}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
-        drafts = metric(metrics, "vllm:spec_decode_num_drafts_total")
-        proposed = metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
-        kept = metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
-        assert drafts > 0 and 0 < kept <= proposed
-        assert kept >= MAX_TOKENS // 2, f"copying its prompt, only {kept} of {proposed} proposals were kept"
-        for stream in (False, True):  # four at once
-            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-                answers = list(pool.map(lambda body: post(system.url, body, stream), bodies))
-            assert answers == expected
+        drafts, proposed, kept = served_alone_streamed_and_batched(system, expected)
+    assert drafts > 0 and 0 < kept <= proposed
+    assert kept >= MAX_TOKENS // 2, f"copying its prompt, only {kept} of {proposed} proposals were kept"
+
+
+def test_a_draft_model_gives_the_engine_alones_greedy_outputs_alone_and_batched(expected, tmp_path):
+    """method draft_model: the target as its own draft has (nearly) every greedy proposal kept,
+    and a tiny random draft of the same vocabulary almost none; the tokens are the same either way."""
+    from tests.checkpoints import draft_checkpoint
+
+    own = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3,
+                      "disable_by_batch_size": 4})  # (speculating four at once too)
+    with System("--speculative-config", own, workers=1) as system:
+        drafts, proposed, kept = served_alone_streamed_and_batched(system, expected)
+    assert drafts > 0 and kept >= 0.9 * proposed, (kept, proposed)
+    assert kept >= MAX_TOKENS, f"its own draft: only {kept} of {proposed} proposals were kept"
+    random_draft = json.dumps({"model": str(draft_checkpoint(tmp_path / "draft")), "num_speculative_tokens": 3,
+                               "disable_by_batch_size": 4})
+    with System("--speculative-config", random_draft, workers=1) as system:
+        drafts, proposed, kept = served_alone_streamed_and_batched(system, expected)
+    assert drafts > 0 and kept <= 0.2 * proposed, (kept, proposed)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_at_start(tmp_path):
+    from tests.checkpoints import save_checkpoint, transformers_model
+
+    other = save_checkpoint(transformers_model("llama"), tmp_path / "byte-tokenizer")
+    config = json.dumps({"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
+    finished = subprocess.run([sys.executable, "-m", "services.cli", "up", "--speculative-config", config],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert finished.returncode != 0
+    assert "has another tokenizer than smollm2-135m-instruct" in finished.stderr, finished.stderr[-2000:]
 
 
 @pytest.mark.parametrize("config, message", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
-    ('{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}', "draft_model"),
+    ('{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}', "the draft model tiny: model file"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "method draft_model needs a model"),
     ('{"method": "ngram", "num_speculative_tokens": 40}', "num_speculative_tokens"),
     ('{"method": "ngram"', "not JSON"),
 ])

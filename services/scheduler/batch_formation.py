@@ -368,10 +368,13 @@ class BatchFormation(Speculation):
     def _new_request(self, worker: WorkerState, state: RequestState) -> NewRequest:
         """A request's data for a worker that does not hold it yet (with penalties or a constraint,
         the tokens of the cached blocks it starts with: they are part of the history its penalties
-        count and its constraint replays, and are not fed)."""
+        count and its constraint replays, and are not fed; and where the worker's draft model
+        proposes: the draft is fed them, its KV in those blocks not being the request's)."""
         cached_blocks = tuple(state.held_hashes[: state.adopted_blocks])
+        history = state.sampling.needs_history or (state.speculable and self.speculative is not None
+                                                   and self.speculative.proposed_by_worker)
         cached_token_ids = (state.tokens(0, len(cached_blocks) * worker.kv_block_size)
-                            if cached_blocks and state.sampling.needs_history else ())
+                            if cached_blocks and history else ())
         if not state.workers_write:
             return NewRequest(request_id=state.request_id, sampling=state.sampling, cached_blocks=cached_blocks,
                               cached_token_ids=cached_token_ids)

@@ -2,8 +2,9 @@
 
 A decoding request whose last token is known here (none of its tokens in flight) and whose worker
 runs at most the config's disable_by_batch_size requests proposes up to num_speculative_tokens
-tokens by prompt lookup over its prompt and output (propose_ngram). Its item then feeds its last
-token and the proposals (StepItem.draft_tokens); the worker samples every position and keeps the
+tokens by prompt lookup over its prompt and output (propose_ngram), or, with a draft model, leaves
+that many placeholders for the worker's draft to fill (services/worker/draft.py). Its item then
+feeds its last token and the proposals (StepItem.draft_tokens); the worker samples every position and keeps the
 proposals while each equals the token sampled before it (services/worker/speculation.py), so the
 tokens are those of decoding one a step. KV blocks are reserved for all the item's tokens, and kept
 after (the worker keeps them too: the refused proposals' slots are overwritten by the next steps,
@@ -20,6 +21,7 @@ pays a round trip every MAX_WAIT steps, and one that quotes pays it on steps tha
 from services.scheduler.request_state import RequestState, WorkerState
 from shared.speculative import propose_ngram
 
+DRAFT_PLACEHOLDER = 0  # a proposal the worker's draft model makes (any id in the vocabulary: it is replaced)
 MAX_WAIT = 16  # plans a request that found nothing to propose runs pipelined before it looks again
 
 
@@ -39,9 +41,17 @@ class Speculation:
         and only where the KV blocks for them are free (nothing is preempted for a proposal): those
         blocks are reserved."""
         config = self.speculative
+        if state.speculation_wait > 0:  # backed off: plain steps for a while (pipelined ones count down
+            state.speculation_wait -= 1  # in _waits_to_propose; these, with nothing in flight, here)
+            return []
         most = min(config.num_speculative_tokens, state.output_limit - outputs - 1, budget)
-        proposal = propose_ngram(state.prompt_token_ids + tuple(state.output_token_ids), most,
-                                 config.prompt_lookup_min, config.lookup_max) if most > 0 else []
+        if most <= 0:
+            proposal = []
+        elif config.proposed_by_worker:  # the worker's draft model writes its proposals over these
+            proposal = [DRAFT_PLACEHOLDER] * most
+        else:
+            proposal = propose_ngram(state.prompt_token_ids + tuple(state.output_token_ids), most,
+                                     config.prompt_lookup_min, config.lookup_max)
         needed = worker.blocks_for(computed + 1 + len(proposal)) - state.kv_blocks if proposal else 0
         if not proposal or needed > worker.kv_blocks_available:
             # (backed off whatever the reason: else, pipelined next plan, it would sit out every other one)

@@ -47,6 +47,8 @@ from services.worker.token_history import TokenHistory
 from shared.model_file import ModelConfig, serving_config
 
 if TYPE_CHECKING:  # the engine imports only torch and numpy: it runs where the service's packages are not
+    from services.worker.draft import DraftProposer
+    from shared.speculative import SpeculativeConfig
     from shared.config import Settings
     from shared.grammar import GrammarCompiler
     from shared.messages import SamplingParams, StepItem
@@ -74,16 +76,40 @@ def pick_dtype(name: str, device: torch.device, stored: str = "", quantization: 
 
 def own_bytes(config: ModelConfig, settings: "Settings", dtype: torch.dtype) -> int:
     """What a worker holds besides its KV pool, counted from the model's shape (as vLLM's profile
-    run measures it): the weights, and the activations of the largest step (max_batch_tokens
-    tokens through the widest layer, and float32 logits for max_batch_size rows)."""
-    attention = config.hidden_size * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
-    layer = attention + 3 * config.hidden_size * config.ffn_size + 2 * config.hidden_size
-    embeddings = config.vocab_size * config.hidden_size * (1 if config.tied_embeddings else 2)
-    weights = (config.n_layers * layer + embeddings + config.hidden_size) * torch.finfo(dtype).bits // 8
+    run measures it): the weights (a draft model's too), and the activations of the largest step
+    (max_batch_tokens tokens through the widest layer, and float32 logits for max_batch_size rows)."""
     widest = max(config.hidden_size * 4, config.ffn_size * 2 + config.hidden_size)
     activations = (settings.max_batch_tokens * widest * torch.finfo(dtype).bits // 8
                    + settings.max_batch_size * config.vocab_size * 4)
+    weights = shaped_weight_bytes(config, dtype)
+    if (draft := draft_config(settings)) is not None:  # (packed ones counted as unpacked: an upper bound)
+        weights += shaped_weight_bytes(draft[0], draft_dtype(draft[1], dtype))
     return weights + activations
+
+
+def shaped_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """A model's weights in `dtype`, from its shape."""
+    attention = config.hidden_size * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+    layer = attention + 3 * config.hidden_size * config.ffn_size + 2 * config.hidden_size
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tied_embeddings else 2)
+    return (config.n_layers * layer + embeddings + config.hidden_size) * torch.finfo(dtype).bits // 8
+
+
+def draft_config(settings: "Settings") -> tuple[ModelConfig, "SpeculativeConfig"] | None:
+    """The draft model's config and the speculative config that names it (services/worker/draft.py), if any."""
+    from shared.speculative import parse_speculative_config
+
+    speculative = parse_speculative_config(settings.speculative_config)
+    if speculative is None or not speculative.proposed_by_worker:
+        return None
+    from shared.model_file import load_metadata
+
+    return load_metadata(speculative.model).config, speculative
+
+
+def draft_dtype(speculative: "SpeculativeConfig", target_dtype: torch.dtype) -> torch.dtype:
+    """The draft's: the target's, or bfloat16 with its GGUF kept packed (the packed kernels' fast path)."""
+    return torch.bfloat16 if speculative.draft_packed else target_dtype
 
 
 def weight_bytes(model) -> int:
@@ -172,12 +198,16 @@ class Engine(RequestRows):
         self.sends_sampled = hasattr(model, "send_sampled") and model.layout.pipeline > 1
         self.defer_sampled = False
         self._awaiting: deque[_AwaitedTokens | None] = deque()  # per step run here, oldest first (None: no token)
+        # A draft model (speculative_config method draft_model, services/worker/draft.py): it proposes
+        # the speculating items' tokens. None: a plan's proposals are the scheduler's own.
+        self.draft: "DraftProposer | None" = None
 
     @classmethod
     def from_settings(cls, settings: "Settings") -> "Engine":
         from services.worker.weights import load_weights
         from shared.grammar import GrammarCompiler
         from shared.model_file import ModelFileError, load_metadata
+        from shared.speculative import parse_speculative_config
         from shared.tokenizer import Tokenizer
 
         started = time.perf_counter()
@@ -204,6 +234,15 @@ class Engine(RequestRows):
         # model.config: this rank's heads and layers in a group, so its KV pool holds only those
         engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
+        speculative = parse_speculative_config(settings.speculative_config)
+        if speculative is not None and speculative.proposed_by_worker:
+            from services.worker.draft import load_draft
+
+            engine.draft = load_draft(speculative.model, settings.model, settings.tokenizer, engine.kv_cache,
+                                      engine.max_rows, config.context_length, config.vocab_size, device,
+                                      draft_dtype(speculative, dtype), speculative.quantization)
+            log.info("event=draft_ready model=%s quantization=%s dtype=%s bytes=%d", speculative.model,
+                     speculative.quantization, engine.draft.model.dtype, engine.draft.nbytes)
         engine.constrain_with(lambda: GrammarCompiler(
             Tokenizer.for_serving(settings.model, settings.tokenizer, settings.chat_template)))
         log.info("event=engine_ready model=%s device=%s dtype=%s quantization=%s weight_bytes=%d kv_blocks=%d "
@@ -227,6 +266,10 @@ class Engine(RequestRows):
         (KVPoolTooSmall) when it leaves no block or when the device's free memory cannot hold it."""
         bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
                            * torch.finfo(dtype).bits // 8)
+        if (draft := draft_config(settings)) is not None:  # (a draft's KV sits at every slot of the pool too)
+            shape, speculative = draft
+            bytes_per_block += (2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * settings.kv_block_size
+                                * torch.finfo(draft_dtype(speculative, dtype)).bits // 8)
         if settings.gpu_memory_utilization > 0:
             free, total = memory_bytes(device)
             share = int(settings.gpu_memory_utilization * total)
@@ -274,6 +317,8 @@ class Engine(RequestRows):
         self._grammars = GrammarRows(self.max_rows, self.config.vocab_size, compiler)
 
     def _row_added(self, row: int, sampling: "SamplingParams", history: Sequence[int]) -> None:
+        if self.draft is not None and history:
+            self.draft.start(row, history)
         self._sampling.set(row, sampling)
         self._prompt_logprobs.start(row, sampling.prompt_logprobs)
         if not sampling.needs_history:
@@ -302,6 +347,8 @@ class Engine(RequestRows):
         return None
 
     def _row_freed(self, row: int) -> None:
+        if self.draft is not None:
+            self.draft.start(row, ())
         self._history.stop(row)
         self._prompt_logprobs.stop(row)
         if self._grammars is not None:
@@ -327,6 +374,8 @@ class Engine(RequestRows):
         columns = self.columns(items, outcome)
         if columns is not None:
             self._run(columns, outcome)
+            if self.draft is not None:
+                self.draft.fed(columns)
         elif not self.samples:
             self._await_sampled(None, outcome)
         outcome.seconds = time.perf_counter() - started
@@ -369,6 +418,8 @@ class Engine(RequestRows):
             self._awaiting[0].wait()
 
     def _run(self, columns: StepColumns, outcome: StepOutcome) -> None:
+        if columns.drafts and self.draft is not None:
+            self.draft.propose(columns)  # (over the plan's placeholders)
         device, kv_cache, stage = self.model.device, self.kv_cache, self._staging.to_device
         rows, starts, counts = (np.asarray(values, dtype=np.int64) for values in
                                 (columns.rows, columns.starts, columns.counts))
