@@ -260,6 +260,13 @@ def require_model(settings: Settings, command: str, parser: argparse.ArgumentPar
             if settings.max_model_len > context:
                 parser.exit(2, f"{parser.prog}: error: --max-model-len {settings.max_model_len} exceeds the context "
                                f"length of {served.name} ({context})\n")
+    if settings.tokenizer:
+        from shared.model_file import load_metadata
+
+        try:
+            load_metadata(settings.tokenizer)
+        except (ModelFileError, OSError, ValueError) as error:
+            parser.exit(2, f"{parser.prog}: error: --tokenizer {settings.tokenizer}: {error}\n")
     from shared.speculative import parse_speculative_config
 
     speculative = parse_speculative_config(settings.speculative_config)  # (Settings has checked the JSON)
@@ -269,16 +276,9 @@ def require_model(settings: Settings, command: str, parser: argparse.ArgumentPar
 
         for served in models:
             context = serving_config(load_metadata(served.path).config, settings.max_model_len).context_length
-            if problem := draft_model_problem(speculative.model, settings.tokenizer or served.path, context,
-                                              speculative.draft_packed):
+            if problem := draft_model_problem(speculative.model, served.path, context, speculative.draft_packed,
+                                              settings.tokenizer):
                 parser.exit(2, f"{parser.prog}: error: {problem}\n")
-    if settings.tokenizer:
-        from shared.model_file import load_metadata
-
-        try:
-            load_metadata(settings.tokenizer)
-        except (ModelFileError, OSError, ValueError) as error:
-            parser.exit(2, f"{parser.prog}: error: --tokenizer {settings.tokenizer}: {error}\n")
     if settings.chat_template:
         from shared.tokenizer import compile_chat_template, read_chat_template
 

@@ -82,14 +82,14 @@ class SpeculativeConfig(BaseModel):
 
 
 # Speculation stops at a worker running more requests than this (the config's disable_by_batch_size
-# overrides it). Measured on this project's CPU hosts (docs/speculation.md): a verification step of
+# overrides it). Measured on this project's CPU hosts (docs/benchmarks.md): a verification step of
 # 4 rows x 5 tokens costs about a 4-row plain step in bfloat16 on the Intel class, and past ~8 rows
 # a step is no longer bound by reading the weights, so proposals that fail cost their compute.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-# A draft model's proposals cost its passes, one per proposal, each costing more with every row:
-# measured with SmolLM2's own Q4_0 GGUF as the draft of its float32 self on the AMD EPYC AVX2 class
-# (docs/speculation.md), 1.42x at one request, 0.66x at two, 0.46x at four. A draft far smaller than
-# its target moves that point: the config's disable_by_batch_size sets it.
+# A draft model's proposals cost its passes, one per proposal, each costing more with every row.
+# Measured with SmolLM2's own Q4 GGUF as the draft of its float32 self on the AMD EPYC AVX2 class
+# (docs/benchmarks.md, "With a draft model"): 1.28-1.42x at one request, 0.66x at two, 0.46x at
+# four. A draft far smaller than its target moves that point: the config's disable_by_batch_size sets it.
 DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE = 1
 
 
@@ -112,10 +112,13 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config: {problems}") from None
 
 
-def draft_model_problem(draft: str, target: str, context_length: int, packed: bool = False) -> str | None:
-    """Why `draft` cannot propose for `target` served with this context length, or None: it must load,
-    speak the same vocabulary (token for token: a proposal is a token id of the target's) and hold
-    the served context (its positions reach every one the target's do)."""
+def draft_model_problem(draft: str, target: str, context_length: int, packed: bool = False,
+                        tokenizer: str = "") -> str | None:
+    """Why `draft` cannot propose for `target` (its tokenizer `tokenizer` where one replaces its own)
+    served with this context length, or None: it must load, speak the same vocabulary (token for
+    token: a proposal is a token id of the target's), embed every id the target may sample (a
+    target's padded embedding rows included: the draft is fed them) and hold the served context
+    (its positions reach every one the target's do)."""
     from shared.model_file import ModelFileError, load_metadata
     from shared.tokenizer import Tokenizer
 
@@ -126,12 +129,16 @@ def draft_model_problem(draft: str, target: str, context_length: int, packed: bo
         return f"speculative_config: the draft model {draft}: {error}"
     if packed and draft_metadata.format != "gguf":
         return f"speculative_config: quantization gguf packs a GGUF draft's tensors, and {draft} is not a GGUF file"
-    target_vocabulary = Tokenizer.load(target).vocabulary()
+    target_vocabulary = Tokenizer.load(tokenizer or target).vocabulary()
     if draft_vocabulary != target_vocabulary:
         differ = len(set(draft_vocabulary.items()) ^ set(target_vocabulary.items()))
         return (f"speculative_config: the draft model {draft} has another tokenizer than {target} "
                 f"({len(draft_vocabulary)} against {len(target_vocabulary)} tokens, {differ} entries differ): "
                 "a draft must share the target's vocabulary")
+    target_rows = load_metadata(target).config.vocab_size
+    if draft_metadata.config.vocab_size < target_rows:
+        return (f"speculative_config: the draft model {draft} embeds {draft_metadata.config.vocab_size} token ids, "
+                f"fewer than the {target_rows} {target} may sample")
     if draft_metadata.config.context_length < context_length:
         return (f"speculative_config: the draft model {draft} holds {draft_metadata.config.context_length} "
                 f"positions, fewer than the {context_length} served for {target}: pass a smaller --max-model-len")

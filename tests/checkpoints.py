@@ -276,10 +276,10 @@ def draft_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
 
     smollm2 = Tokenizer.load()
     metadata = load_metadata()
-    model = transformers_model("llama", seed, vocab_size=metadata.config.vocab_size,
-                               max_position_embeddings=metadata.config.context_length,
-                               eos_token_id=smollm2.token_to_id(smollm2.eos_token),
-                               bos_token_id=smollm2.token_to_id(smollm2.bos_token) or 0, **overrides)
+    model = transformers_model("llama", seed, **({
+        "vocab_size": metadata.config.vocab_size, "max_position_embeddings": metadata.config.context_length,
+        "eos_token_id": smollm2.token_to_id(smollm2.eos_token),
+        "bos_token_id": smollm2.token_to_id(smollm2.bos_token) or 0} | overrides))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     (directory / "tokenizer.json").write_text(smollm2.backend_json())

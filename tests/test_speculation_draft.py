@@ -23,13 +23,13 @@ from tests.test_speculation_planned import COUNT, prompts, proposals, run
 DRAFT = SpeculativeConfig(method="draft_model", model="tiny-draft", num_speculative_tokens=4, disable_by_batch_size=8)
 
 
-def engine_with_draft(draft_seed: int | None, kv_blocks: int = 128):
+def engine_with_draft(draft_seed: int | None, kv_blocks: int = 128, chunk_tokens: int = 2048):
     """A tiny engine (seed 0) whose draft is the same model (draft_seed 0), another random one, or
-    none (None)."""
+    none (None); the draft feeds at most chunk_tokens tokens a pass."""
     engine = tiny_engine(kv_blocks=kv_blocks, kv_block_size=4)
     if draft_seed is not None:
         draft = Llama(TINY_CONFIG, tiny_random_weights(TINY_CONFIG, draft_seed), torch.device("cpu"), torch.float32)
-        engine.draft = DraftProposer(draft, engine.kv_cache, engine.max_rows, TINY_CONFIG.vocab_size)
+        engine.draft = DraftProposer(draft, engine.kv_cache, engine.max_rows, TINY_CONFIG.vocab_size, chunk_tokens)
     return engine
 
 
@@ -154,3 +154,27 @@ def test_a_plain_step_after_refused_proposals_leaves_the_draft_kv_only_what_it_h
     nxt = engine.step([StepItem("r", (7, 0, 0), length + 1, True, 3 + kept, False, 2)])
     assert nxt.tokens["r"] is not None and draft.passes == passes + 2
     assert draft.tokens_fed - fed == (length + 1 - int(min(start + 3, length))) + 1 + 1
+
+
+def test_a_long_catch_up_is_fed_in_passes_of_at_most_chunk_tokens():
+    """A prompt of 3 blocks and more is fed to the draft in passes of at most 5 tokens (as the
+    target's prompts are split by max_batch_tokens), with the same proposals kept and tokens."""
+    requests = requests_of(3, "greedy", seed=2, shared_prefix=True)
+    plain, _, _ = run(requests, None)
+    whole, chunked = engine_with_draft(0), engine_with_draft(0, chunk_tokens=5)
+    fed_per_pass = []
+    forward = chunked.draft._forward
+
+    def counting(rows, starts, counts, token_ids):
+        fed_per_pass.append(len(token_ids))
+        return forward(rows, starts, counts, token_ids)
+
+    chunked.draft._forward = counting
+    outputs = {}
+    for engine in (whole, chunked):
+        outputs[engine is chunked], policy, _ = run(requests, DRAFT, engine=engine)
+        assert policy.spec_accepted_tokens == policy.spec_draft_tokens or not float32_rows_alone_equal_rows_together()
+    assert outputs[True] == outputs[False] == plain
+    assert chunked.draft.passes > whole.draft.passes and chunked.draft.tokens_fed == whole.draft.tokens_fed
+    # (a proposal's first pass takes each item's last chunk: up to 5 tokens an item, batched)
+    assert max(fed_per_pass) <= 5 * len(requests) and fed_per_pass.count(5) > 0

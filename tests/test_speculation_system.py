@@ -106,15 +106,22 @@ def test_a_draft_model_gives_the_engine_alones_greedy_outputs_alone_and_batched(
     assert drafts > 0 and kept <= 0.2 * proposed, (kept, proposed)
 
 
-def test_a_draft_model_with_another_tokenizer_is_refused_at_start(tmp_path):
-    from tests.checkpoints import save_checkpoint, transformers_model
+def test_a_draft_model_that_cannot_propose_for_the_target_is_refused_at_start(tmp_path):
+    """Another tokenizer; fewer embedding rows than the target samples; fewer positions than served."""
+    from tests.checkpoints import draft_checkpoint, save_checkpoint, transformers_model
 
-    other = save_checkpoint(transformers_model("llama"), tmp_path / "byte-tokenizer")
-    config = json.dumps({"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
-    finished = subprocess.run([sys.executable, "-m", "services.cli", "up", "--speculative-config", config],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert finished.returncode != 0
-    assert "has another tokenizer than smollm2-135m-instruct" in finished.stderr, finished.stderr[-2000:]
+    cases = [(save_checkpoint(transformers_model("llama"), tmp_path / "byte-tokenizer"),
+              "has another tokenizer than smollm2-135m-instruct"),
+             (draft_checkpoint(tmp_path / "narrow", vocab_size=49000),
+              "embeds 49000 token ids, fewer than the 49152 smollm2-135m-instruct may sample"),
+             (draft_checkpoint(tmp_path / "short", max_position_embeddings=1024),
+              "holds 1024 positions, fewer than the 8192 served")]
+    for draft, message in cases:
+        config = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+        finished = subprocess.run([sys.executable, "-m", "services.cli", "up", "--speculative-config", config],
+                                  cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert finished.returncode != 0
+        assert message in finished.stderr, finished.stderr[-2000:]
 
 
 @pytest.mark.parametrize("config, message", [

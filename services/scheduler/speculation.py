@@ -14,7 +14,9 @@ With the plan pipeline: a speculating item's result says how many tokens came ba
 request's next item cannot be planned before it (it waits out the plan in flight: a round trip
 between its steps, which pipelining hides for the others). A request whose lookup finds nothing,
 or whose proposals were all refused, backs off: it runs pipelined, one token a plan, for 2, 4 ...
-up to MAX_WAIT plans, then waits one plan out to propose again. So a workload with nothing to quote
+up to MAX_WAIT plans, then waits one plan out to propose again (a draft's request counts its
+back-off down in plans whose last token it knows too: the first after its refused proposals, and
+every plan at pipeline depth 1; a lookup is tried again at once there, costing nothing). So a workload with nothing to quote
 pays a round trip every MAX_WAIT steps, and one that quotes pays it on steps that make several tokens.
 """
 
@@ -41,8 +43,11 @@ class Speculation:
         and only where the KV blocks for them are free (nothing is preempted for a proposal): those
         blocks are reserved."""
         config = self.speculative
-        if state.speculation_wait > 0:  # backed off: plain steps for a while (pipelined ones count down
-            state.speculation_wait -= 1  # in _waits_to_propose; these, with nothing in flight, here)
+        if config.proposed_by_worker and state.speculation_wait > 0:
+            # A draft's proposals all refused: plain steps for a while (pipelined ones count down in
+            # _waits_to_propose, these, with nothing in flight, here). A lookup costs nothing: it is
+            # tried again at once, so that a quote is found as soon as it starts.
+            state.speculation_wait -= 1
             return []
         most = min(config.num_speculative_tokens, state.output_limit - outputs - 1, budget)
         if most <= 0:

@@ -64,9 +64,11 @@ class DraftPool:
 class DraftProposer:
     """A draft model and its KV, proposing for a target engine's speculating items."""
 
-    def __init__(self, model: "Llama", target_cache: "PagedKVCache", max_rows: int, vocab_size: int):
+    def __init__(self, model: "Llama", target_cache: "PagedKVCache", max_rows: int, vocab_size: int,
+                 chunk_tokens: int = 2048):
         config = model.config
         self.model = model
+        self.chunk_tokens = max(2, chunk_tokens)  # the most tokens one draft pass feeds (max_batch_tokens)
         self.pool = DraftPool(config.n_layers, config.n_kv_heads, config.head_dim, target_cache, model.dtype)
         self.vocab_size = vocab_size  # the target's: a draft's padding ids past it are never proposed
         self.tokens: list[list[int] | None] = [[] for _ in range(max_rows)]  # None: a gap, nothing to feed
@@ -122,6 +124,7 @@ class DraftProposer:
             wanted.append(count)
         if not items:
             return
+        self._catch_up(rows, starts, chunks)
         rows_array, wanted_array = np.asarray(rows, dtype=np.int64), np.asarray(wanted, dtype=np.int64)
         proposals = np.zeros((len(items), int(wanted_array.max())), dtype=np.int64)
         counts = np.asarray([len(chunk) for chunk in chunks], dtype=np.int64)
@@ -138,6 +141,33 @@ class DraftProposer:
         self.filled[rows_array] = positions + wanted_array - 1
         for slot, index in enumerate(items):
             self._write(columns, index, offsets[index], proposals[slot, : wanted[slot]].tolist())
+
+    def _catch_up(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> None:
+        """Feed the draft the head of every chunk longer than a pass may take (a whole prompt after
+        prefill, a cached prefix), in passes of at most chunk_tokens tokens (as the target's prompts
+        are split by max_batch_tokens: a pass's attention scores grow with its tokens times its
+        context), leaving each chunk at most chunk_tokens - 1 tokens before its last one. `starts`
+        and `chunks` are updated in place."""
+        limit = self.chunk_tokens
+        while True:
+            over = [slot for slot, chunk in enumerate(chunks) if len(chunk) > limit]
+            if not over:
+                return
+            budget, pass_slots, pass_counts, pass_tokens = limit, [], [], []
+            for slot in over:
+                take = min(budget, len(chunks[slot]) - limit)
+                if take <= 0:
+                    break
+                pass_slots.append(slot)
+                pass_counts.append(take)
+                pass_tokens += chunks[slot][:take]
+                budget -= take
+            self._forward(np.asarray([rows[slot] for slot in pass_slots], dtype=np.int64),
+                          np.asarray([starts[slot] for slot in pass_slots], dtype=np.int64),
+                          np.asarray(pass_counts, dtype=np.int64), pass_tokens)
+            for slot, take in zip(pass_slots, pass_counts):
+                starts[slot] += take
+                del chunks[slot][:take]
 
     def _forward(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, token_ids: list[int]) -> np.ndarray:
         """One draft pass: each row's `count` tokens from `start` on written to its draft KV; the
@@ -174,7 +204,7 @@ class DraftProposer:
 
 def load_draft(path: str, target_model: str, tokenizer: str, target_cache: "PagedKVCache", max_rows: int,
                context_length: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
-               quantization: str | None = None) -> DraftProposer:
+               quantization: str | None = None, chunk_tokens: int = 2048) -> DraftProposer:
     """The draft model of a speculative config, on the target's device, in `dtype` (draft_dtype); a
     ModelFileError that says why where it cannot propose for the target (shared/speculative.py
     draft_model_problem)."""
@@ -183,7 +213,7 @@ def load_draft(path: str, target_model: str, tokenizer: str, target_cache: "Page
     from shared.model_file import ModelFileError, load_metadata, serving_config
     from shared.speculative import draft_model_problem
 
-    if problem := draft_model_problem(path, tokenizer or target_model, context_length, quantization == "gguf"):
+    if problem := draft_model_problem(path, target_model, context_length, quantization == "gguf", tokenizer):
         raise ModelFileError(problem)
     metadata = load_metadata(path)
     if quantization == "gguf" and device.type != "cpu":
@@ -191,4 +221,4 @@ def load_draft(path: str, target_model: str, tokenizer: str, target_cache: "Page
                              f"not {device}")
     model = Llama(serving_config(metadata.config, context_length), load_weights(metadata, quantization or "none"),
                   device, dtype)
-    return DraftProposer(model, target_cache, max_rows, vocab_size)
+    return DraftProposer(model, target_cache, max_rows, vocab_size, chunk_tokens)

@@ -240,7 +240,8 @@ class Engine(RequestRows):
 
             engine.draft = load_draft(speculative.model, settings.model, settings.tokenizer, engine.kv_cache,
                                       engine.max_rows, config.context_length, config.vocab_size, device,
-                                      draft_dtype(speculative, dtype), speculative.quantization)
+                                      draft_dtype(speculative, dtype), speculative.quantization,
+                                      settings.max_batch_tokens)
             log.info("event=draft_ready model=%s quantization=%s dtype=%s bytes=%d", speculative.model,
                      speculative.quantization, engine.draft.model.dtype, engine.draft.nbytes)
         engine.constrain_with(lambda: GrammarCompiler(
@@ -266,10 +267,12 @@ class Engine(RequestRows):
         (KVPoolTooSmall) when it leaves no block or when the device's free memory cannot hold it."""
         bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
                            * torch.finfo(dtype).bits // 8)
+        draft_weights = 0  # (loaded after the pool is sized: what is free now is not free for the pool)
         if (draft := draft_config(settings)) is not None:  # (a draft's KV sits at every slot of the pool too)
             shape, speculative = draft
             bytes_per_block += (2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * settings.kv_block_size
                                 * torch.finfo(draft_dtype(speculative, dtype)).bits // 8)
+            draft_weights = shaped_weight_bytes(shape, draft_dtype(speculative, dtype))
         if settings.gpu_memory_utilization > 0:
             free, total = memory_bytes(device)
             share = int(settings.gpu_memory_utilization * total)
@@ -279,14 +282,14 @@ class Engine(RequestRows):
                 raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: {share} of {total} "
                                      f"bytes of {device}, less this worker's weights and activations ({own}), leave "
                                      f"no room for a KV block of {bytes_per_block} bytes")
-            if room > free:
+            if room > free - draft_weights:
                 raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: its KV pool "
                                      f"({room} bytes) is more than {device} has free ({free} of {total}): other "
                                      f"processes hold the rest; give each a smaller share")
             return room // bytes_per_block
         if settings.kv_memory_fraction <= 0:
             return settings.kv_blocks
-        return max(1, int(free_memory_bytes(device) * settings.kv_memory_fraction) // bytes_per_block)
+        return max(1, int((free_memory_bytes(device) - draft_weights) * settings.kv_memory_fraction) // bytes_per_block)
 
     @classmethod
     def blocks_for_settings(cls, settings: "Settings") -> int:
