@@ -93,6 +93,21 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE = 1
 
 
+# Per request, at its end: the share of its proposed tokens kept, counted into these buckets (upper
+# bounds), the sum of the shares in thousandths, and the requests counted (Redis counters of these
+# names; /metrics shows them as the histogram iterserve:spec_decode_request_acceptance_rate).
+ACCEPTANCE_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+ACCEPTANCE_COUNTERS = (*(f"spec_request_acceptance_le_{round(bound * 100)}" for bound in ACCEPTANCE_BUCKETS),
+                       "spec_request_acceptance_permille_sum", "spec_requests")
+
+
+def acceptance_bucket(kept: int, proposed: int) -> str:
+    """The counter of the first bucket that holds kept / proposed."""
+    share = kept / proposed
+    bound = next(bound for bound in ACCEPTANCE_BUCKETS if share <= bound)
+    return f"spec_request_acceptance_le_{round(bound * 100)}"
+
+
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     """The --speculative-config JSON ("" : none); a ValueError that says what is wrong otherwise."""
     if not text.strip():

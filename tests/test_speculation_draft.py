@@ -60,6 +60,10 @@ def test_the_target_as_its_own_draft_keeps_its_proposals_and_gives_the_tokens_of
         if sampling == "greedy":  # the draft's argmax is the target's: every proposal kept, up to near-ties
             exact = float32_rows_alone_equal_rows_together()
             assert kept == proposed if exact else kept >= 0.9 * proposed, (kept, proposed)
+            # per request, at its end: each its share kept (the histogram /metrics shows)
+            histogram = policy.spec_request_acceptance
+            assert histogram["spec_requests"] == len(batch)
+            assert histogram["spec_request_acceptance_le_100"] + histogram["spec_request_acceptance_le_90"] == len(batch)
             # several tokens a step: COUNT tokens each in far fewer verifying steps
             assert sum(1 for plan in plans if plan.drafts) < COUNT * len(batch) / 3
         assert engine.draft.passes > 0
@@ -74,6 +78,8 @@ def test_another_random_draft_is_mostly_refused_backs_off_and_changes_no_token(s
     assert speculated == plain
     assert policy.spec_drafts > 0
     assert policy.spec_accepted_tokens < 0.25 * policy.spec_draft_tokens
+    histogram = policy.spec_request_acceptance
+    assert histogram["spec_requests"] == len(requests) and histogram["spec_request_acceptance_le_100"] == 0
     # backed off: far fewer verifications than decode steps
     assert policy.spec_drafts < COUNT * len(requests) / 3, policy.spec_drafts
 

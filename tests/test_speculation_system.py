@@ -62,10 +62,10 @@ def expected(engine_alone, tokenizer) -> list[tuple[str, str]]:
     return answers
 
 
-def served_alone_streamed_and_batched(system: System, expected: list[tuple[str, str]]) -> tuple[float, float, float]:
+def served_alone_streamed_and_batched(system: System, expected: list[tuple[str, str]]) -> tuple[float, ...]:
     """Check the system's greedy answers (the first conversation alone, plain and streamed, then all
     four at once, plain and streamed) against `expected`; its (drafts, proposed, kept) counts after
-    the first two."""
+    the first two, and the per-request histogram's (requests, sum of their shares kept) then."""
     bodies = [{"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
               for messages in MESSAGES]
     assert post(system.url, bodies[0]) == expected[0]  # alone
@@ -73,7 +73,8 @@ def served_alone_streamed_and_batched(system: System, expected: list[tuple[str, 
     with urllib.request.urlopen(f"{system.url}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     counts = tuple(metric(metrics, f"vllm:spec_decode_num_{name}_total")
-                   for name in ("drafts", "draft_tokens", "accepted_tokens"))
+                   for name in ("drafts", "draft_tokens", "accepted_tokens")) + tuple(
+        metric(metrics, f"iterserve:spec_decode_request_acceptance_rate_{part}") for part in ("count", "sum"))
     for stream in (False, True):  # four at once
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
             answers = list(pool.map(lambda body: post(system.url, body, stream), bodies))
@@ -83,8 +84,9 @@ def served_alone_streamed_and_batched(system: System, expected: list[tuple[str, 
 
 def test_speculating_system_gives_the_engine_alones_greedy_outputs_alone_and_batched(expected):
     with System("--speculative-config", CONFIG, workers=1) as system:
-        drafts, proposed, kept = served_alone_streamed_and_batched(system, expected)
+        drafts, proposed, kept, requests, shares = served_alone_streamed_and_batched(system, expected)
     assert drafts > 0 and 0 < kept <= proposed
+    assert requests == 2 and 0 < shares <= 2  # (the two requests alone, each its share kept)
     assert kept >= MAX_TOKENS // 2, f"copying its prompt, only {kept} of {proposed} proposals were kept"
 
 
@@ -96,14 +98,16 @@ def test_a_draft_model_gives_the_engine_alones_greedy_outputs_alone_and_batched(
     own = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3,
                       "disable_by_batch_size": 4})  # (speculating four at once too)
     with System("--speculative-config", own, workers=1) as system:
-        drafts, proposed, kept = served_alone_streamed_and_batched(system, expected)
+        drafts, proposed, kept, requests, shares = served_alone_streamed_and_batched(system, expected)
     assert drafts > 0 and kept >= 0.9 * proposed, (kept, proposed)
+    assert requests == 2 and shares >= 1.8, (requests, shares)
     assert kept >= MAX_TOKENS, f"its own draft: only {kept} of {proposed} proposals were kept"
     random_draft = json.dumps({"model": str(draft_checkpoint(tmp_path / "draft")), "num_speculative_tokens": 3,
                                "disable_by_batch_size": 4})
     with System("--speculative-config", random_draft, workers=1) as system:
-        drafts, proposed, kept = served_alone_streamed_and_batched(system, expected)
+        drafts, proposed, kept, requests, shares = served_alone_streamed_and_batched(system, expected)
     assert drafts > 0 and kept <= 0.2 * proposed, (kept, proposed)
+    assert requests == 2 and shares <= 0.4, (requests, shares)
 
 
 def test_a_draft_model_that_cannot_propose_for_the_target_is_refused_at_start(tmp_path):

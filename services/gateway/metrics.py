@@ -5,9 +5,10 @@ from collections import deque
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from services.gateway.store import ClusterView
+from shared.speculative import ACCEPTANCE_BUCKETS, ACCEPTANCE_COUNTERS
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
@@ -219,13 +220,26 @@ class _LastingCounters:
     def __init__(self, lasting: dict[str, dict[str, int]]) -> None:
         self.lasting = lasting
 
+    ACCEPTANCE = ("iterserve:spec_decode_request_acceptance_rate",
+                  "Speculative decoding: per request that verified proposals, the share of them kept (at its end)")
+
     def collect(self):
         for name, documentation, field in self.SERIES:
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             for model, counters in self.lasting.items():
                 family.add_metric([model], counters.get(field, 0))
             yield family
+        family = HistogramMetricFamily(*self.ACCEPTANCE, labels=["model_name"])
+        for model, counters in self.lasting.items():
+            cumulative, buckets = 0, []
+            for bound, name in zip(ACCEPTANCE_BUCKETS, ACCEPTANCE_COUNTERS):
+                cumulative += counters.get(name, 0)
+                buckets.append((f"{bound:g}", cumulative))
+            buckets.append(("+Inf", counters.get("spec_requests", 0)))
+            family.add_metric([model], buckets, counters.get("spec_request_acceptance_permille_sum", 0) / 1000)
+        yield family
 
     def describe(self):
-        return [CounterMetricFamily(name, documentation, labels=["model_name"])
-                for name, documentation, _ in self.SERIES]
+        return [*(CounterMetricFamily(name, documentation, labels=["model_name"])
+                  for name, documentation, _ in self.SERIES),
+                HistogramMetricFamily(*self.ACCEPTANCE, labels=["model_name"])]

@@ -45,7 +45,7 @@ from services.scheduler.result_application import ResultApplication, TokenOutcom
 from shared.finishing import finish_reason, length_limit
 from shared.messages import FinishReason, RequestRecord, SamplingParams
 from shared.plans import MAX_STEPS, ColumnPlan
-from shared.speculative import SpeculativeConfig
+from shared.speculative import ACCEPTANCE_COUNTERS, SpeculativeConfig
 
 __all__ = ["SchedulerPolicy", "TokenOutcome", "Policy", "Placement"]
 
@@ -147,6 +147,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         self.spec_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.spec_request_acceptance = dict.fromkeys(ACCEPTANCE_COUNTERS, 0)  # (Speculation._note_acceptance)
 
     # The pool of requests
 
@@ -426,6 +427,7 @@ class SchedulerPolicy(BatchFormation, RequestPlacement, ResultApplication, Itera
         self._enqueue(state)
 
     def _end(self, state: RequestState, reason: FinishReason) -> None:
+        self._note_acceptance(state)
         if reason == "cancelled":
             self._note_left(state, cancelled=True)
         else:

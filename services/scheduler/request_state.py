@@ -48,6 +48,8 @@ class RequestState:
     speculable: bool = False
     speculation_wait: int = 0
     speculation_misses: int = 0
+    spec_proposed: int = 0  # its tokens proposed and kept, over its verifications (on this scheduler)
+    spec_kept: int = 0
 
     # Copied from the record once: read for every request at every step (the record never changes).
     request_id: str = field(init=False)

@@ -480,10 +480,10 @@ class SchedulerService:
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))
         # The counters that outlive this process (vLLM's prefix-cache counters, read by /metrics):
         # what was counted since the last heartbeat, added to Redis's totals.
-        for name in COUNTERS:
-            counted = getattr(self.policy, name)
-            if counted != self._counted[name]:
-                self.link.queue("hincrby", self.link.keys.counters, name, counted - self._counted[name])
+        totals = {name: getattr(self.policy, name) for name in COUNTERS} | self.policy.spec_request_acceptance
+        for name, counted in totals.items():
+            if counted != self._counted.get(name, 0):
+                self.link.queue("hincrby", self.link.keys.counters, name, counted - self._counted.get(name, 0))
                 self._counted[name] = counted
 
 

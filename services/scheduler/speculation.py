@@ -21,7 +21,7 @@ pays a round trip every MAX_WAIT steps, and one that quotes pays it on steps tha
 """
 
 from services.scheduler.request_state import RequestState, WorkerState
-from shared.speculative import propose_ngram
+from shared.speculative import acceptance_bucket, propose_ngram
 
 DRAFT_PLACEHOLDER = 0  # a proposal the worker's draft model makes (any id in the vocabulary: it is replaced)
 MAX_WAIT = 16  # plans a request that found nothing to propose runs pipelined before it looks again
@@ -75,6 +75,15 @@ class Speculation:
             return False
         return True
 
+    def _note_acceptance(self, state: RequestState) -> None:
+        """A request that verified proposals ends: its share of them kept, into the per-request histogram."""
+        if state.spec_proposed:
+            counts = self.spec_request_acceptance
+            counts[acceptance_bucket(state.spec_kept, state.spec_proposed)] += 1
+            counts["spec_request_acceptance_permille_sum"] += round(1000 * state.spec_kept / state.spec_proposed)
+            counts["spec_requests"] += 1
+            state.spec_proposed = state.spec_kept = 0
+
     @staticmethod
     def _back_off(state: RequestState) -> None:
         state.speculation_misses += 1
@@ -86,6 +95,8 @@ class Speculation:
         proposed = state.drafts_in_flight
         state.drafts_in_flight = 0
         state.computed += kept
+        state.spec_proposed += proposed
+        state.spec_kept += kept
         self.spec_drafts += 1
         self.spec_draft_tokens += proposed
         self.spec_accepted_tokens += kept
