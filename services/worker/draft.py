@@ -18,8 +18,9 @@ the draft's KV width over the target's.
 
 The draft KV is filled lazily, only for speculating items: a row's draft KV holds its first
 `filled` positions, and before proposing, the draft is fed the tokens from there to the item's
-last one as one chunk (after a back-off of plain steps, a prefix-cached start or the last proposal
-of a fully kept verification, which the draft proposed but never fed). For that the engine tells
+last one, as one chunk or, when longer than max_batch_tokens, in passes of at most that (after a
+back-off of plain steps, a prefix-cached start or the last proposal of a fully kept verification,
+which the draft proposed but never fed). For that the engine tells
 this class every row's tokens as it feeds them (`fed`): the row's tokens on the host, those it was
 fed (proposals too, the refused ones cut by the row's next item) and the cached prefix it started with.
 A row whose tokens have a gap (the worker was fed a start past what it knows) proposes its last
