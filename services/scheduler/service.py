@@ -58,7 +58,7 @@ from shared.exits import configuration_error
 from shared.messages import SchedulerInfo
 from shared.model_file import load_metadata, serving_config
 from shared.plans import ResultColumns, encode_plan, read_result, read_result_columns
-from shared.speculative import parse_speculative_config
+from shared.speculative import ACCEPTANCE_COUNTERS, parse_speculative_config
 from shared.redis_connection import RECONNECT_ERRORS, connect
 from shared.startup_heap import freeze_startup_heap
 from shared.tokenizer import Tokenizer
@@ -142,7 +142,7 @@ class SchedulerService:
         self._next_poll = 0.0
         self._next_heartbeat = 0.0
         self._published_counts: tuple[int, int, tuple[str, ...]] | None = None
-        self._counted = dict.fromkeys(COUNTERS, 0)  # the counters as last added to Redis's totals
+        self._counted = dict.fromkeys((*COUNTERS, *ACCEPTANCE_COUNTERS), 0)  # the counters as last added to Redis's totals
 
     # Running
 
@@ -482,8 +482,8 @@ class SchedulerService:
         # what was counted since the last heartbeat, added to Redis's totals.
         totals = {name: getattr(self.policy, name) for name in COUNTERS} | self.policy.spec_request_acceptance
         for name, counted in totals.items():
-            if counted != self._counted.get(name, 0):
-                self.link.queue("hincrby", self.link.keys.counters, name, counted - self._counted.get(name, 0))
+            if counted != self._counted[name]:
+                self.link.queue("hincrby", self.link.keys.counters, name, counted - self._counted[name])
                 self._counted[name] = counted
 
 

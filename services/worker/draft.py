@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from services.worker.attention import StepLayout, build_batch
+from services.worker.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from services.worker.kv_cache import PagedKVCache
     from services.worker.model import Llama
     from services.worker.rows import StepColumns
 
@@ -53,9 +53,7 @@ class DraftPool:
         self.values = torch.zeros(shape, device=target.device, dtype=dtype)
         self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.layer_keys[layer].index_copy_(0, slot_mapping, keys)
-        self.layer_values[layer].index_copy_(0, slot_mapping, values)
+    write = PagedKVCache.write  # (it reads only layer_keys and layer_values)
 
     @property
     def nbytes(self) -> int:

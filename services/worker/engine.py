@@ -95,6 +95,11 @@ def shaped_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return (config.n_layers * layer + embeddings + config.hidden_size) * torch.finfo(dtype).bits // 8
 
 
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """A KV block's keys and values over all of a model's layers."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * block_size * torch.finfo(dtype).bits // 8
+
+
 def draft_config(settings: "Settings") -> tuple[ModelConfig, "SpeculativeConfig"] | None:
     """The draft model's config and the speculative config that names it (services/worker/draft.py), if any."""
     from shared.speculative import parse_speculative_config
@@ -207,7 +212,6 @@ class Engine(RequestRows):
         from services.worker.weights import load_weights
         from shared.grammar import GrammarCompiler
         from shared.model_file import ModelFileError, load_metadata
-        from shared.speculative import parse_speculative_config
         from shared.tokenizer import Tokenizer
 
         started = time.perf_counter()
@@ -234,10 +238,10 @@ class Engine(RequestRows):
         # model.config: this rank's heads and layers in a group, so its KV pool holds only those
         engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
-        speculative = parse_speculative_config(settings.speculative_config)
-        if speculative is not None and speculative.proposed_by_worker:
+        if (draft := draft_config(settings)) is not None:
             from services.worker.draft import load_draft
 
+            speculative = draft[1]
             engine.draft = load_draft(speculative.model, settings.model, settings.tokenizer, engine.kv_cache,
                                       engine.max_rows, config.context_length, config.vocab_size, device,
                                       draft_dtype(speculative, dtype), speculative.quantization,
@@ -265,13 +269,11 @@ class Engine(RequestRows):
         may use), that share less this worker's own weights and activations (own_bytes: not what
         other processes hold, so that two workers of 0.45 share a device as two vLLMs would), refused
         (KVPoolTooSmall) when it leaves no block or when the device's free memory cannot hold it."""
-        bytes_per_block = (2 * config.n_layers * config.n_kv_heads * config.head_dim * settings.kv_block_size
-                           * torch.finfo(dtype).bits // 8)
+        bytes_per_block = kv_block_bytes(config, settings.kv_block_size, dtype)
         draft_weights = 0  # (loaded after the pool is sized: what is free now is not free for the pool)
         if (draft := draft_config(settings)) is not None:  # (a draft's KV sits at every slot of the pool too)
             shape, speculative = draft
-            bytes_per_block += (2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * settings.kv_block_size
-                                * torch.finfo(draft_dtype(speculative, dtype)).bits // 8)
+            bytes_per_block += kv_block_bytes(shape, settings.kv_block_size, draft_dtype(speculative, dtype))
             draft_weights = shaped_weight_bytes(shape, draft_dtype(speculative, dtype))
         if settings.gpu_memory_utilization > 0:
             free, total = memory_bytes(device)
