@@ -303,6 +303,9 @@ class SchedulerInfo(Frozen):
     # (then) active requests no scheduler has taken yet, waiting in Redis for one with room: counted
     # once, beside every scheduler's own waiting ones, where the gateway sums them (admission, /status).
     unclaimed: int = 0
+    # Its --speculative-config's method ("ngram", "draft_model"; "": none) and proposals per step.
+    speculative_method: str = ""
+    num_speculative_tokens: int = 0
 
 
 class IterationRecord(Frozen):

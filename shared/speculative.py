@@ -108,6 +108,31 @@ def acceptance_bucket(kept: int, proposed: int) -> str:
     return f"spec_request_acceptance_le_{round(bound * 100)}"
 
 
+def speculation_status(counters: dict[str, int], method: str, num_speculative_tokens: int) -> dict | None:
+    """A model's speculative decoding as /status shows it (and /dashboard draws it): its method, the
+    scheduler's lasting counters (those /metrics shows under vLLM's names) and the per-request
+    acceptance histogram's requests per bucket (not cumulative). None for a model that neither
+    speculates nor ever verified a proposal. mean_acceptance_length is vLLM's: tokens a verification
+    gives, 1 + kept / verifications (the target's own token after the kept proposals)."""
+    verifications = counters.get("spec_drafts", 0)
+    if not method and not verifications:
+        return None
+    proposed, kept = counters.get("spec_draft_tokens", 0), counters.get("spec_accepted_tokens", 0)
+    requests = counters.get("spec_requests", 0)
+    return {
+        "method": method, "num_speculative_tokens": num_speculative_tokens,
+        "verifications": verifications, "proposed_tokens": proposed, "accepted_tokens": kept,
+        "acceptance_rate": kept / proposed if proposed else None,
+        "mean_acceptance_length": 1 + kept / verifications if verifications else None,
+        "requests": requests,  # that verified proposals and ended
+        "request_acceptance_rate_mean": (counters.get("spec_request_acceptance_permille_sum", 0) / 1000 / requests
+                                         if requests else None),
+        # Each bucket: the requests whose share kept is at most `le` and above the bucket before's.
+        "request_acceptance_buckets": [{"le": bound, "requests": counters.get(name, 0)}
+                                       for bound, name in zip(ACCEPTANCE_BUCKETS, ACCEPTANCE_COUNTERS)],
+    }
+
+
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     """The --speculative-config JSON ("" : none); a ValueError that says what is wrong otherwise."""
     if not text.strip():

@@ -5,6 +5,7 @@ cancelled request shown as cancelled."""
 import asyncio
 import json
 import os
+import re
 import shutil
 import urllib.request
 
@@ -96,8 +97,80 @@ async def test_the_dashboard_shows_every_worker_its_iterations_and_a_cancelled_r
             info = await browser.evaluate("document.querySelector('section.worker .info').textContent")
             assert f"model {MODEL}" in info and "KV" in info
             assert await browser.evaluate("document.getElementById('problem').textContent") == ""
+            assert get_json(f"{system.base_url}/status")["models"][MODEL]["speculative"] is None
+            assert await browser.evaluate("getComputedStyle(document.getElementById('speculation-card')).display") \
+                == "none", "no speculation card for a model that does not speculate"
             screenshot = tmp_path / "dashboard.png"
             await browser.screenshot(screenshot)
             assert screenshot.stat().st_size > 10_000
             if os.environ.get("ITERSERVE_DASHBOARD_SCREENSHOT"):  # to refresh the README's picture
                 shutil.copy(screenshot, os.environ["ITERSERVE_DASHBOARD_SCREENSHOT"])
+
+
+SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+QUOTE = ("The harbor town woke slowly on winter mornings. Before the sun cleared the hills, the fishing boats "
+         "were already back at the pier, their decks crowded with crates of silver mackerel.")
+
+
+def metric(text: str, name: str) -> float:
+    found = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    return sum(float(value) for value in found)
+
+
+async def test_the_dashboard_shows_a_speculating_models_acceptance_as_status_and_metrics_count_it(tmp_path):
+    """Item 5 of speculative decoding: per model, the proposals kept, vLLM's mean acceptance length and
+    the per-request histogram, on /status and drawn on the page, equal to /metrics' counters."""
+    chromium_binary()
+    with System("--speculative-config", SPECULATIVE, workers=1) as system:
+        async with aiohttp.ClientSession() as http:
+            async def chat(content: str) -> None:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 40,
+                        "temperature": 0}
+                async with http.post(f"{system.base_url}/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+
+            for content in (f"Copy this text exactly:\n\n{QUOTE}", f"Repeat after me: {QUOTE}"):
+                await chat(content)  # one at a time: each speculates (a lone request)
+            status = {}
+            for _ in range(80):  # the scheduler adds its counters to Redis at its heartbeat
+                status = get_json(f"{system.base_url}/status")["models"][MODEL]["speculative"]
+                if status and status["requests"] == 2:
+                    break
+                await asyncio.sleep(0.25)
+        assert status["method"] == "ngram" and status["num_speculative_tokens"] == 4
+        assert status["requests"] == 2 and sum(bucket["requests"] for bucket in status["request_acceptance_buckets"]) == 2
+        assert 0 < status["accepted_tokens"] <= status["proposed_tokens"]
+        assert status["acceptance_rate"] == status["accepted_tokens"] / status["proposed_tokens"]
+        assert status["mean_acceptance_length"] == 1 + status["accepted_tokens"] / status["verifications"]
+        with urllib.request.urlopen(f"{system.base_url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert (metric(metrics, "vllm:spec_decode_num_drafts_total"),
+                metric(metrics, "vllm:spec_decode_num_draft_tokens_total"),
+                metric(metrics, "vllm:spec_decode_num_accepted_tokens_total"),
+                metric(metrics, "iterserve:spec_decode_request_acceptance_rate_count")) == (
+            status["verifications"], status["proposed_tokens"], status["accepted_tokens"], status["requests"])
+
+        async with Browser() as browser:
+            await browser.open(f"{system.base_url}/dashboard")
+            line = f"#speculation .model[data-model=\"{MODEL}\"]"
+            await browser.wait_for(f"document.querySelector('{line}')?.dataset.requests === '2'",
+                                   what="the model's speculation line")
+            shown = await browser.evaluate(f"JSON.stringify(Object.assign({{}}, document.querySelector('{line}').dataset))")
+            assert json.loads(shown) == {"model": MODEL, "verifications": str(status["verifications"]),
+                                         "proposed": str(status["proposed_tokens"]),
+                                         "kept": str(status["accepted_tokens"]), "requests": "2"}
+            summary = await browser.evaluate(f"document.querySelector('{line} .summary').textContent")
+            assert summary.startswith("ngram, up to 4 proposed a step")
+            assert f"{status['accepted_tokens']} of {status['proposed_tokens']} proposed tokens kept " \
+                   f"({100 * status['acceptance_rate']:.1f}%)" in summary
+            assert f"mean acceptance length {status['mean_acceptance_length']:.2f} tokens" in summary
+            bars = json.loads(await browser.evaluate(
+                f"JSON.stringify([...document.querySelectorAll('{line} .bucket')].map(b => ({{le: Number(b.dataset.bound), "
+                f"requests: Number(b.dataset.count)}})))"))
+            assert bars == status["request_acceptance_buckets"]
+            assert await browser.evaluate("getComputedStyle(document.getElementById('speculation-card')).display") \
+                == "block"
+            verified = await browser.wait_for("document.querySelectorAll('.iteration.verified').length",
+                                              what="the steps that verified proposals, marked")
+            assert 0 < verified <= status["verifications"]
+            await browser.screenshot(tmp_path / "speculation.png")

@@ -741,7 +741,7 @@ async def test_status_and_metrics(gateway, scheduler, redis_client):
     assert worker["model"] == "smollm2-135m-instruct"
     assert body["models"]["smollm2-135m-instruct"] == {
         "waiting": 2, "running": 3, "active_requests": 0, "workers": ["w1"], "scheduler": body["scheduler"],
-        "schedulers": []}
+        "schedulers": [], "speculative": None}
 
     assert (await post_json(gateway, COMPLETIONS, GOOD_COMPLETION))[0] == 200
     assert (await post_json(gateway, COMPLETIONS, {**GOOD_COMPLETION, "temperature": 9}))[0] == 400

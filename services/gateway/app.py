@@ -26,6 +26,7 @@ from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata, serving_config
 from shared.served_models import served_models
+from shared.speculative import speculation_status
 from shared.redis_connection import connect
 from shared.startup_heap import freeze_startup_heap
 
@@ -395,6 +396,13 @@ def _worker_status(model: GatewayModel, worker: WorkerInfo) -> dict:
     }
 
 
+def _speculative(view: ClusterView) -> dict | None:
+    """A model's speculative decoding: its method, proposals kept, per-request acceptance (None: none)."""
+    scheduler = view.scheduler
+    return speculation_status(view.counters, scheduler.speculative_method if scheduler else "",
+                              scheduler.num_speculative_tokens if scheduler else 0)
+
+
 async def status(request: web.Request) -> web.Response:
     """Every worker of every model, the queue totals, and each model's own: its scheduler, queue
     and workers (`scheduler` at the top is the first model's, as before there were several)."""
@@ -410,6 +418,7 @@ async def status(request: web.Request) -> web.Response:
             "schedulers": [{"scheduler_id": info.scheduler_id, "pid": info.pid, "waiting": info.waiting,
                             "running": info.running, "iterations": info.iterations, "leases": info.leases}
                            for info in view.schedulers if info.scheduler_id],
+            "speculative": _speculative(view),
         }
         for model, view in views
     }
