@@ -2,10 +2,13 @@
 alternating in one process so a slow spell of the machine hits both alike.
 
     .venv/bin/python benchmarks/projections.py [--batch-sizes 1 2 4 16 64] [--rounds 3] [--context 300]
+    .venv/bin/python benchmarks/projections.py --against-earlier --dtype bfloat16
 
 Prints one line per batch size: the best mean step time of each variant and their ratio (the
 engine's own choice on this host is model.SKINNY_FLOAT32: float32 takes the skinny form only off
-Intel's MKL).
+Intel's MKL). --against-earlier compares instead the engine's choices on this host with the rules
+before the AMD AVX-512 class had its own (every form skinny up to 64 rows off Intel, a one-row
+bfloat16 projection as two rows where bfloat16 is native, a one-row float32 one as one).
 """
 
 import argparse
@@ -22,6 +25,9 @@ from services.worker.engine import Engine  # noqa: E402
 from shared.config import Settings  # noqa: E402
 
 VARIANTS = {"x @ W.T": 0, "(W @ x.T).T up to 64 rows": model.SKINNY_ROWS}
+FLAGS = ("SKINNY_FLOAT32", "SKINNY_BFLOAT16", "PAD_ONE_ROW_FLOAT32", "PAD_ONE_ROW_BFLOAT16")
+HOST = {name: getattr(model, name) for name in FLAGS}  # this host's choices
+EARLIER = HOST | {"SKINNY_FLOAT32": not model._intel_cpu(), "SKINNY_BFLOAT16": True, "PAD_ONE_ROW_FLOAT32": False}
 
 
 def decode_step_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
@@ -38,10 +44,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="the engine's dtype (float32, bfloat16)")
+    parser.add_argument("--against-earlier", action="store_true", help="this host's choices against the earlier rules")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     blocks_per_request = (args.context + args.steps) // 16 + 2
     engine = Engine.from_settings(Settings(kv_blocks=max(args.batch_sizes) * blocks_per_request, dtype=args.dtype))
+    if args.against_earlier:
+        return against_earlier(engine, args)
     try:
         for batch in args.batch_sizes:
             best = {name: float("inf") for name in VARIANTS}
@@ -53,6 +62,23 @@ def main() -> None:
             print(f"batch {batch}: x @ W.T {old:.1f} ms, skinny {new:.1f} ms, {old / new:.2f}x", flush=True)
     finally:
         model.SKINNY_ROWS, model.SKINNY_FLOAT32 = VARIANTS["(W @ x.T).T up to 64 rows"], not model._intel_cpu()
+
+
+def against_earlier(engine: Engine, args: argparse.Namespace) -> None:
+    try:
+        for batch in args.batch_sizes:
+            best = {"earlier": float("inf"), "host": float("inf")}
+            for _ in range(args.rounds):
+                for name, flags in (("earlier", EARLIER), ("host", HOST)):
+                    for flag, value in flags.items():
+                        setattr(model, flag, value)
+                    best[name] = min(best[name], decode_step_seconds(engine, batch, args.context, args.steps))
+            old, new = (1000 * best[name] for name in ("earlier", "host"))
+            print(f"{args.dtype} batch {batch}: earlier rules {old:.1f} ms, this host's {new:.1f} ms, {old / new:.2f}x",
+                  flush=True)
+    finally:
+        for flag, value in HOST.items():
+            setattr(model, flag, value)
 
 
 if __name__ == "__main__":

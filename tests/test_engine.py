@@ -241,21 +241,27 @@ def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_thr
 
 
 @pytest.mark.parametrize("pad_one_row", [True, False])
-def test_a_one_row_bfloat16_projection_is_the_row_of_a_two_row_one(pad_one_row, monkeypatch):
-    """Where the CPU has native bfloat16 a single row runs as two (a faster path): its result is
-    exactly that row's in a real two-row projection, and x @ W.T within bfloat16's rounding."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_one_row_projection_padded_is_the_row_of_a_two_row_one(dtype, pad_one_row, monkeypatch):
+    """Where a single row runs as two (a faster path: bfloat16 where it is native, float32 on the AMD
+    AVX-512 class): its result is exactly that row's in a real two-row projection, and x @ W.T within
+    the dtype's rounding."""
     import services.worker.model as model
 
-    monkeypatch.setattr(model, "PAD_ONE_ROW_BFLOAT16", pad_one_row)
+    flag = "PAD_ONE_ROW_BFLOAT16" if dtype == torch.bfloat16 else "PAD_ONE_ROW_FLOAT32"
+    monkeypatch.setattr(model, flag, pad_one_row)
+    for skinny in ("SKINNY_FLOAT32", "SKINNY_BFLOAT16"):  # (the padding is the skinny form's, off Intel)
+        monkeypatch.setattr(model, skinny, True)
     generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(320, 192, generator=generator).bfloat16()
-    x = torch.randn(2, 192, generator=generator).bfloat16()
+    weight = torch.randn(320, 192, generator=generator).to(dtype)
+    x = torch.randn(2, 192, generator=generator).to(dtype)
     one = model.linear(x[:1], weight)
-    assert one.shape == (1, 320) and one.is_contiguous() and one.dtype == torch.bfloat16
+    assert one.shape == (1, 320) and one.is_contiguous() and one.dtype == dtype
     if pad_one_row:
         assert torch.equal(one[0], model.linear(x, weight)[0])
     exact = x[:1].double() @ weight.double().T
-    assert (one.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+    tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
+    assert (one.double() - exact).abs().max() <= tolerance * exact.abs().max()
 
 
 def test_both_attention_paths_give_the_same_logits():
