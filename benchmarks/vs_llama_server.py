@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def main() -> None:
     lines = ["# iterserve against llama.cpp's llama-server on the same cores (executor: engine, SmolLM2-135M)", "",
              f"Measured on {machine_info()['cpu']}, {os.cpu_count()} cores, {args.threads} threads per "
              f"server, load average at the end {os.getloadavg()[0]:.2f}; "
-             f"`.venv/bin/python benchmarks/vs_llama_server.py` ({time.time() - started:.0f} s).",
+             f"`.venv/bin/python benchmarks/vs_llama_server.py {shlex.join(sys.argv[1:])}` ({time.time() - started:.0f} s).",
              "llama-server: Q4_1 GGUF, `--parallel 64 --cont-batching`; iterserve: `iterserve up --dtype D` (1 worker; "
              "gguf-D: `--quantization gguf --dtype D`, the Q4_1/Q8_0 tensors kept packed).",
              "", f"| server | mode | output tok/s at concurrency {shown} | mean TTFT at 16 (s) |", "|---|---|---|---|"]

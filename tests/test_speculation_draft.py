@@ -127,6 +127,9 @@ def test_the_draft_kv_sits_at_the_targets_slots_and_is_fed_only_what_it_lacks():
     run(requests, DRAFT, engine=engine)
     draft = engine.draft
     assert draft.pool.keys.shape[1] == engine.kv_cache.keys.shape[1]
+    # a token's KV: the target's and the draft's, all layers (the same shape here: twice the target's)
+    one = 2 * TINY_CONFIG.n_layers * TINY_CONFIG.n_kv_heads * TINY_CONFIG.head_dim * 4
+    assert (engine.kv_bytes_per_token, engine_with_draft(None).kv_bytes_per_token) == (2 * one, one)
     # fed: the prompt once and each verification's last token and proposals; not the whole
     # context again each time
     prompt = len(requests[0][0])

@@ -120,12 +120,22 @@ def cancel_plan(requests: list[BenchRequest], fraction: float, seed: int) -> dic
 
 
 def machine_info() -> dict:
+    """The host, its CPU named with its family and model and the vector extensions that decide which
+    kernels torch runs (the host class changes between sessions: every figure names it)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
+            fields = dict(line.split(":", 1) for line in cpuinfo.read().split("\n\n")[0].splitlines() if ":" in line)
     except OSError:
-        pass
+        fields = {}
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    if "model name" in fields:
+        flags = fields.get("flags", "").split()
+        extensions = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
+                                              ("amx_tile", "AMX")) if flag in flags] or (
+            ["AVX2"] if "avx2" in flags else [])
+        cpu = (f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; "
+               f"{', '.join(extensions) or 'no AVX2'})")
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
 
 

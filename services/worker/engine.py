@@ -258,9 +258,14 @@ class Engine(RequestRows):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one token's keys and values take in this engine's cache, over all layers."""
+        """What one token's keys and values take in this engine's cache, over all layers (a draft
+        model's too: its KV sits at every slot of the pool)."""
         config, cache = self.config, self.kv_cache
-        return 2 * config.n_layers * config.n_kv_heads * config.head_dim * cache.keys[0].element_size()
+        target = 2 * config.n_layers * config.n_kv_heads * config.head_dim * cache.keys[0].element_size()
+        if self.draft is None:
+            return target
+        pool = self.draft.pool
+        return target + 2 * pool.keys[:, 0].numel() * pool.keys.element_size()  # (layers, Hkv, D at a slot)
 
     @staticmethod
     def kv_blocks_in(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype) -> int:

@@ -67,7 +67,7 @@ def _amd_avx512() -> bool:
 
 
 SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (not on Intel's MKL)
-# On an AMD EPYC with AVX-512 (family 25, AVX512-BF16; benchmarks/results/projections_amd_avx512.md) a
+# On an AMD EPYC with AVX-512 (family 25, Zen 4, AVX512-BF16; benchmarks/results/projections_amd_avx512.md) a
 # one-row float32 projection streams its weight at half the rate a two-row one does, whichever form
 # (all of SmolLM2-135M's projections, cold: 1 row 45 ms, the row twice 23 ms, 2 rows 19 ms): there it
 # runs as two rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 82 ms).
