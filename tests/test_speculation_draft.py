@@ -43,6 +43,16 @@ def requests_of(count: int, sampling: str, seed: int = 0, shared_prefix: bool = 
             for number, prompt in enumerate(listed)]
 
 
+def proposal_lengths(plans: list) -> dict[str, list[int]]:
+    """Each request's proposals per verification, in order."""
+    lengths = {}
+    for plan in plans:
+        for request_id, draft in zip(plan.item_ids[len(plan.decode_handles):], plan.drafts):
+            if draft:
+                lengths.setdefault(request_id, []).append(draft)
+    return lengths
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_the_target_as_its_own_draft_keeps_its_proposals_and_gives_the_tokens_of_decoding_one_a_step(sampling, depth):
@@ -66,6 +76,9 @@ def test_the_target_as_its_own_draft_keeps_its_proposals_and_gives_the_tokens_of
             assert histogram["spec_request_acceptance_le_100"] + histogram["spec_request_acceptance_le_90"] == len(batch)
             # several tokens a step: COUNT tokens each in far fewer verifying steps
             assert sum(1 for plan in plans if plan.drafts) < COUNT * len(batch) / 3
+            if exact:  # all kept: each verification proposes the most (the last may be cut by the length)
+                assert all(set(listed[:-1]) == {DRAFT.num_speculative_tokens}
+                           for listed in proposal_lengths(plans).values()), proposal_lengths(plans)
         assert engine.draft.passes > 0
 
 
@@ -82,6 +95,10 @@ def test_another_random_draft_is_mostly_refused_backs_off_and_changes_no_token(s
     assert histogram["spec_requests"] == len(requests) and histogram["spec_request_acceptance_le_100"] == 0
     # backed off: far fewer verifications than decode steps
     assert policy.spec_drafts < COUNT * len(requests) / 3, policy.spec_drafts
+    # and proposing fewer: the most first, one fewer after each refusal, down to one
+    for listed in proposal_lengths(plans).values():
+        assert listed[0] == DRAFT.num_speculative_tokens and listed[-1] == 1, listed
+        assert listed[:DRAFT.num_speculative_tokens] == list(range(DRAFT.num_speculative_tokens, 0, -1)), listed
 
 
 def test_prefix_cached_starts_and_preemptions_change_no_token_and_the_draft_catches_up():

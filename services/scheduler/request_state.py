@@ -48,6 +48,7 @@ class RequestState:
     speculable: bool = False
     speculation_wait: int = 0
     speculation_misses: int = 0
+    draft_length: int = 0  # a draft model's proposals for its next verification (0: the config's most)
     spec_proposed: int = 0  # its tokens proposed and kept, over its verifications (on this scheduler)
     spec_kept: int = 0
 

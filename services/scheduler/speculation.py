@@ -18,6 +18,8 @@ up to MAX_WAIT plans, then waits one plan out to propose again (a draft's reques
 back-off down in plans whose last token it knows too: the first after its refused proposals, and
 every plan at pipeline depth 1; a lookup is tried again at once there, costing nothing). So a workload with nothing to quote
 pays a round trip every MAX_WAIT steps, and one that quotes pays it on steps that make several tokens.
+A draft model's request also proposes fewer tokens after a refusal and more after all were kept
+(`_verified`: the number a verification costs in draft passes and rows follows what it gets back).
 """
 
 from services.scheduler.request_state import RequestState, WorkerState
@@ -49,7 +51,7 @@ class Speculation:
             # tried again at once, so that a quote is found as soon as it starts.
             state.speculation_wait -= 1
             return []
-        most = min(config.num_speculative_tokens, state.output_limit - outputs - 1, budget)
+        most = min(state.draft_length or config.num_speculative_tokens, state.output_limit - outputs - 1, budget)
         if most <= 0:
             proposal = []
         elif config.proposed_by_worker:  # the worker's draft model writes its proposals over these
@@ -104,3 +106,12 @@ class Speculation:
             state.speculation_misses = 0
         else:
             self._back_off(state)
+        if self.speculative.proposed_by_worker:
+            # How many a draft proposes next (transformers' assisted generation's "heuristic" schedule):
+            # two more after all were kept, one fewer after any was refused, from 1 to the config's most.
+            # Each proposal costs a draft pass and a row of the verifying step: a draft that proposes
+            # badly comes down to one (two rows, the price of one on a CPU's float32 step, measured),
+            # one that proposes well stays at the most.
+            most = self.speculative.num_speculative_tokens
+            length = state.draft_length or most
+            state.draft_length = min(most, length + 2) if kept == proposed else max(1, length - 1)
