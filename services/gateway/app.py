@@ -25,9 +25,9 @@ from services.gateway.tokenize import detokenize, tokenize
 from shared.config import Settings, executor_label
 from shared.messages import SchedulerInfo, WorkerInfo
 from shared.model_file import load_metadata, serving_config
+from shared.redis_connection import connect
 from shared.served_models import served_models
 from shared.speculative import speculation_status
-from shared.redis_connection import connect
 from shared.startup_heap import freeze_startup_heap
 
 if TYPE_CHECKING:

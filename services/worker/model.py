@@ -69,12 +69,12 @@ def _amd_avx512() -> bool:
 SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (not on Intel's MKL)
 # On an AMD EPYC with AVX-512 (family 25, Zen 4, AVX512-BF16; benchmarks/results/projections_amd_avx512.md) a
 # one-row float32 projection streams its weight at half the rate a two-row one does, whichever form
-# (all of SmolLM2-135M's projections, cold: 1 row 45 ms, the row twice 23 ms, 2 rows 19 ms): there it
-# runs as two rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 82 ms).
+# (all of SmolLM2-135M's projections, cold: 1 row 46 ms, the row twice 24 ms, 2 rows 18 ms): there it
+# runs as two rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 86 ms).
 # Its row is then exactly that row's in a two-row projection.
 PAD_ONE_ROW_FLOAT32 = _amd_avx512()
-# There too bfloat16's x @ W.T beats the skinny form at 1-8 rows (1 row 21 ms against 31 padded and
-# 21 skinny; 4 rows 23 against 30) and ties it at 16-32: bfloat16 keeps x @ W.T on that class.
+# There too bfloat16's x @ W.T beats the skinny form at 1-8 rows (1 row 26 ms against 38 padded and
+# 27 skinny; 4 rows 28 against 33) and ties it at 16-32: bfloat16 keeps x @ W.T on that class.
 SKINNY_BFLOAT16 = not _amd_avx512()
 # A one-row bfloat16 projection runs as two rows (the row twice) where torch runs native bfloat16
 # kernels (AVX-512 dispatch on a CPU with AVX512-BF16 or AMX): oneDNN's one-row path is slower than
