@@ -5,9 +5,10 @@ alternating in one process so a slow spell of the machine hits both alike.
     .venv/bin/python benchmarks/projections.py --against-earlier --dtype bfloat16
 
 Prints one line per batch size: the best mean step time of each variant and their ratio (the
-engine's own choice on this host is model.SKINNY_FLOAT32: float32 takes the skinny form only off
-Intel's MKL). --against-earlier compares instead the engine's choices on this host with the rules
-before the AMD AVX-512 class had its own (every form skinny up to 64 rows off Intel, a one-row
+engine's own choice on this host is model.SKINNY_FLOAT32 and SKINNY_BFLOAT16: float32 takes the
+skinny form only off Intel's MKL, bfloat16 not on AMD's Zen 4; a one-row projection's padding to two
+rows, where the host takes it, stays in both variants). --against-earlier compares instead the engine's choices on this host with the rules
+before the AMD Zen 4 class had its own (every form skinny up to 64 rows off Intel, a one-row
 bfloat16 projection as two rows where bfloat16 is native, a one-row float32 one as one).
 """
 
@@ -56,12 +57,14 @@ def main() -> None:
             best = {name: float("inf") for name in VARIANTS}
             for _ in range(args.rounds):
                 for name, rows in VARIANTS.items():
-                    model.SKINNY_ROWS, model.SKINNY_FLOAT32 = rows, True
+                    model.SKINNY_ROWS, model.SKINNY_FLOAT32, model.SKINNY_BFLOAT16 = rows, True, True
                     best[name] = min(best[name], decode_step_seconds(engine, batch, args.context, args.steps))
             old, new = (1000 * best[name] for name in VARIANTS)
             print(f"batch {batch}: x @ W.T {old:.1f} ms, skinny {new:.1f} ms, {old / new:.2f}x", flush=True)
     finally:
-        model.SKINNY_ROWS, model.SKINNY_FLOAT32 = VARIANTS["(W @ x.T).T up to 64 rows"], not model._intel_cpu()
+        model.SKINNY_ROWS = VARIANTS["(W @ x.T).T up to 64 rows"]
+        for flag, value in HOST.items():
+            setattr(model, flag, value)
 
 
 def against_earlier(engine: Engine, args: argparse.Namespace) -> None:

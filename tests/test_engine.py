@@ -244,7 +244,7 @@ def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_thr
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_one_row_projection_padded_is_the_row_of_a_two_row_one(dtype, pad_one_row, monkeypatch):
     """Where a single row runs as two (a faster path: bfloat16 where it is native, float32 on the AMD
-    AVX-512 class): its result is exactly that row's in a real two-row projection, and x @ W.T within
+    Zen 4 class): its result is exactly that row's in a real two-row projection, and x @ W.T within
     the dtype's rounding."""
     import services.worker.model as model
 

@@ -475,8 +475,8 @@ class SchedulerService:
             scheduler_id=self.epoch if self.shards is not None else "",
             leases=dict(self.shards.fences) if self.shards is not None else {},
             unclaimed=self.shards.unclaimed if self.shards is not None else 0,
-            **({"speculative_method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens}
-               if (speculative := self.policy.speculative) is not None else {}),
+            speculative_method=self.policy.speculative.method if self.policy.speculative else "",
+            num_speculative_tokens=self.policy.speculative.num_speculative_tokens if self.policy.speculative else 0,
         )
         self.link.queue_first(Write("set", (self._heartbeat_key, encode(info)),
                                     {"px": int(self.settings.scheduler_timeout_seconds * 1000)}))

@@ -112,6 +112,10 @@ class Speculation:
             # Each proposal costs a draft pass and a row of the verifying step: a draft that proposes
             # badly comes down to one (two rows, the price of one on a CPU's float32 step, measured),
             # one that proposes well stays at the most.
+            # (A proposal cut short by the output limit or the step's budget, all kept, leaves it as it was.)
             most = self.speculative.num_speculative_tokens
             length = state.draft_length or most
-            state.draft_length = min(most, length + 2) if kept == proposed else max(1, length - 1)
+            if kept < proposed:
+                state.draft_length = max(1, length - 1)
+            elif proposed >= length:
+                state.draft_length = min(most, length + 2)

@@ -11,6 +11,7 @@ Q/K/V, Qwen3's per-head RMS norm of Q and K, and the rotary frequencies' scaling
 
 import functools
 import math
+import re
 
 from dataclasses import dataclass
 
@@ -62,20 +63,25 @@ def _intel_cpu() -> bool:
     return "GenuineIntel" in _cpuinfo()
 
 
-def _amd_avx512() -> bool:
-    return not _intel_cpu() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+def _amd_zen4() -> bool:
+    """An AMD CPU of family 25 (Zen 3 and 4) whose torch runs its AVX-512 kernels: Zen 4, the class
+    measured below (Zen 5, family 26, has AVX-512 too but is not measured: it keeps the earlier rules)."""
+    family = re.search(r"^cpu family\s*:\s*(\d+)", _cpuinfo(), re.MULTILINE)
+    return ("AuthenticAMD" in _cpuinfo() and family is not None and family.group(1) == "25"
+            and torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (not on Intel's MKL)
-# On an AMD EPYC with AVX-512 (family 25, Zen 4, AVX512-BF16; benchmarks/results/projections_amd_avx512.md) a
+# On an AMD EPYC Zen 4 (family 25, AVX-512, AVX512-BF16; benchmarks/results/projections_amd_avx512.md) a
 # one-row float32 projection streams its weight at half the rate a two-row one does, whichever form
 # (all of SmolLM2-135M's projections, cold: 1 row 46 ms, the row twice 24 ms, 2 rows 18 ms): there it
 # runs as two rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 86 ms).
 # Its row is then exactly that row's in a two-row projection.
-PAD_ONE_ROW_FLOAT32 = _amd_avx512()
+PAD_ONE_ROW_FLOAT32 = _amd_zen4()
 # There too bfloat16's x @ W.T beats the skinny form at 1-8 rows (1 row 26 ms against 38 padded and
 # 27 skinny; 4 rows 28 against 33) and ties it at 16-32: bfloat16 keeps x @ W.T on that class.
-SKINNY_BFLOAT16 = not _amd_avx512()
+# (float16, not measured there, keeps the skinny form as everywhere.)
+SKINNY_BFLOAT16 = not _amd_zen4()
 # A one-row bfloat16 projection runs as two rows (the row twice) where torch runs native bfloat16
 # kernels (AVX-512 dispatch on a CPU with AVX512-BF16 or AMX): oneDNN's one-row path is slower than
 # its two-row one there (SmolLM2-135M's lm head 1.92 ms against 1.27, a decode step 30.1 ms against
@@ -91,7 +97,8 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     if isinstance(weight, PackedLinear):
         return weight(x)
     if (x.shape[0] <= SKINNY_ROWS and x.device.type == "cpu"
-            and (SKINNY_FLOAT32 if weight.dtype == torch.float32 else SKINNY_BFLOAT16)):
+            and (SKINNY_FLOAT32 if weight.dtype == torch.float32
+                 else SKINNY_BFLOAT16 if weight.dtype == torch.bfloat16 else True)):
         if x.shape[0] == 1 and PAD_ONE_ROW_BFLOAT16 and weight.dtype == torch.bfloat16:
             return (weight @ x.expand(2, -1).T)[:, :1].T.contiguous()
         if x.shape[0] == 1 and PAD_ONE_ROW_FLOAT32 and weight.dtype == torch.float32:
