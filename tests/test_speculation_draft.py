@@ -98,7 +98,7 @@ def test_another_random_draft_is_mostly_refused_backs_off_and_changes_no_token(s
     # and proposing fewer: the most first, one fewer after each refusal, down to one
     for listed in proposal_lengths(plans).values():
         assert listed[0] == DRAFT.num_speculative_tokens and 1 in listed, listed
-        assert sum(listed) < 0.5 * DRAFT.num_speculative_tokens * len(listed), listed
+        assert sum(listed) <= 0.75 * DRAFT.num_speculative_tokens * len(listed), listed
 
 
 def test_prefix_cached_starts_and_preemptions_change_no_token_and_the_draft_catches_up():
