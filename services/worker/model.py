@@ -77,11 +77,12 @@ SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (n
 # (all of SmolLM2-135M's projections, cold: 1 row 46 ms, the row twice 24 ms, 2 rows 18 ms): there it
 # runs as two rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 86 ms).
 # Its row is then exactly that row's in a two-row projection.
-PAD_ONE_ROW_FLOAT32 = _amd_zen4()
+AMD_ZEN4 = _amd_zen4()
+PAD_ONE_ROW_FLOAT32 = AMD_ZEN4
 # There too bfloat16's x @ W.T beats the skinny form at 1-8 rows (1 row 26 ms against 38 padded and
 # 27 skinny; 4 rows 28 against 33) and ties it at 16-32: bfloat16 keeps x @ W.T on that class.
 # (float16, not measured there, keeps the skinny form as everywhere.)
-SKINNY_BFLOAT16 = not _amd_zen4()
+SKINNY_BFLOAT16 = not AMD_ZEN4
 # A one-row bfloat16 projection runs as two rows (the row twice) where torch runs native bfloat16
 # kernels (AVX-512 dispatch on a CPU with AVX512-BF16 or AMX): oneDNN's one-row path is slower than
 # its two-row one there (SmolLM2-135M's lm head 1.92 ms against 1.27, a decode step 30.1 ms against
