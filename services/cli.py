@@ -73,7 +73,7 @@ SERVICE_OPTIONS = {
     "--threads": ("threads", int, "torch threads per worker (default: cores / workers)"),
     "--device": ("device", str, "auto, cpu, cuda, cuda:1 ... (default auto)"),
     "--dtype": ("dtype", str, "auto, float32, bfloat16, float16 (default: bf16 on CUDA, f32 on CPU)"),
-    "--quantization": ("quantization", str, "gguf: keep a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors packed (CPU; bfloat16 "
+    "--quantization": ("quantization", str, "gguf: keep a GGUF's Q4_*/Q5_*/Q8_0 tensors packed (CPU; bfloat16 "
                                             "unless --dtype says otherwise); none (default): dequantize at load"),
     "--attention": ("attention", str, "batched or per_request (Orca's reference path)"),
     "--compile": ("compile", bool, "torch.compile the flattened non-attention ops of each step"),

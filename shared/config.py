@@ -139,7 +139,7 @@ class Settings(BaseModel):
     threads: int = Field(0, ge=0)  # torch threads per worker; 0: cores / workers
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, f32 on cpu
-    # vLLM's --quantization: "gguf" keeps a GGUF's Q4_0, Q4_1, Q4_K and Q8_0 tensors packed in memory
+    # vLLM's --quantization: "gguf" keeps a GGUF's Q4_0/1/K, Q5_0/1/K and Q8_0 tensors packed in memory
     # and multiplies them by torch's dequantizing int4 kernel (services/worker/quantized.py; on the CPU,
     # a worker of one process), computing in bfloat16 unless dtype says otherwise; "none" (the
     # default) dequantizes every tensor to the dtype at load.

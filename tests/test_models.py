@@ -146,7 +146,7 @@ def test_gguf_greedy_tokens_and_logits_equal_transformers_on_the_dequantized_wei
     assert_matches(engine_for(str(path)), oracle, F32_ATOL if tensor_type == "F32" else QUANTIZED_ATOL)
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize(("variant", "architecture"), [("llama", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"),
                                                       ("qwen3", "qwen3")])
 def test_gguf_served_quantized_equals_transformers_on_the_dequantized_weights(checkpoints, tmp_path, variant,

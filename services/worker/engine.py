@@ -74,15 +74,16 @@ def pick_dtype(name: str, device: torch.device, stored: str = "", quantization: 
     return DTYPES[name]
 
 
-def own_bytes(config: ModelConfig, settings: "Settings", dtype: torch.dtype) -> int:
-    """What a worker holds besides its KV pool, counted from the model's shape (as vLLM's profile
-    run measures it): the weights (a draft model's too), and the activations of the largest step
+def own_bytes(config: ModelConfig, settings: "Settings", dtype: torch.dtype, held_weights: int | None = None) -> int:
+    """What a worker holds besides its KV pool (what vLLM's profile run measures): the weights, as the
+    loaded model holds them (held_weights: weight_bytes, packed ones at their packed size) or else
+    counted from the model's shape, a draft model's too; and the activations of the largest step
     (max_batch_tokens tokens through the widest layer, and float32 logits for max_batch_size rows)."""
     widest = max(config.hidden_size * 4, config.ffn_size * 2 + config.hidden_size)
     activations = (settings.max_batch_tokens * widest * torch.finfo(dtype).bits // 8
                    + settings.max_batch_size * config.vocab_size * 4)
-    weights = shaped_weight_bytes(config, dtype)
-    if (draft := draft_config(settings)) is not None:  # (packed ones counted as unpacked: an upper bound)
+    weights = shaped_weight_bytes(config, dtype) if held_weights is None else held_weights
+    if (draft := draft_config(settings)) is not None:  # (loaded after: packed ones counted unpacked, a bound)
         weights += shaped_weight_bytes(draft[0], draft_dtype(draft[1], dtype))
     return weights + activations
 
@@ -236,7 +237,8 @@ class Engine(RequestRows):
         else:
             model = Llama(config, load_weights(metadata, settings.quantization), device, dtype, compile=compile)
         # model.config: this rank's heads and layers in a group, so its KV pool holds only those
-        engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs),
+        engine = cls(model, cls.kv_cache_for(model.config, settings, device, dtype, scratch_block=graphs,
+                                             held_weights=weight_bytes(model)),
                      settings.attention, workspace_tokens, settings.max_batch_size, static_decode=graphs)
         if (draft := draft_config(settings)) is not None:
             from services.worker.draft import load_draft
@@ -268,11 +270,13 @@ class Engine(RequestRows):
         return target + 2 * pool.keys[:, 0].numel() * pool.keys.element_size()  # (layers, Hkv, D at a slot)
 
     @staticmethod
-    def kv_blocks_in(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype) -> int:
+    def kv_blocks_in(config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype,
+                     held_weights: int | None = None) -> int:
         """The pool's blocks: kv_blocks; or kv_memory_fraction of the device's free memory; or, with
         gpu_memory_utilization (vLLM's meaning: the share of the device's whole memory this worker
         may use), that share less this worker's own weights and activations (own_bytes: not what
-        other processes hold, so that two workers of 0.45 share a device as two vLLMs would), refused
+        other processes hold, so that two workers of 0.45 share a device as two vLLMs would; the weights
+        as held where the model is loaded: held_weights), refused
         (KVPoolTooSmall) when it leaves no block or when the device's free memory cannot hold it."""
         bytes_per_block = kv_block_bytes(config, settings.kv_block_size, dtype)
         draft_weights = 0  # (loaded after the pool is sized: what is free now is not free for the pool)
@@ -283,7 +287,7 @@ class Engine(RequestRows):
         if settings.gpu_memory_utilization > 0:
             free, total = memory_bytes(device)
             share = int(settings.gpu_memory_utilization * total)
-            own = own_bytes(config, settings, dtype)
+            own = own_bytes(config, settings, dtype, held_weights)
             room = share - own
             if room < bytes_per_block:
                 raise KVPoolTooSmall(f"--gpu-memory-utilization {settings.gpu_memory_utilization:g}: {share} of {total} "
@@ -312,8 +316,8 @@ class Engine(RequestRows):
 
     @classmethod
     def kv_cache_for(cls, config: ModelConfig, settings: "Settings", device: torch.device, dtype: torch.dtype,
-                     scratch_block: bool = False) -> PagedKVCache:
-        blocks = cls.kv_blocks_in(config, settings, device, dtype)
+                     scratch_block: bool = False, held_weights: int | None = None) -> PagedKVCache:
+        blocks = cls.kv_blocks_in(config, settings, device, dtype, held_weights)
         return PagedKVCache(config.n_layers, config.n_kv_heads, config.head_dim, blocks, settings.kv_block_size,
                             device, dtype, max_rows=settings.max_batch_size,
                             max_blocks_per_row=-(-config.context_length // settings.kv_block_size),

@@ -219,12 +219,13 @@ class Llama:
             return torch.cat([tensor(name) for name in names]).contiguous()
 
         embedding = weights["token_embd.weight"]
-        self.embedding = (QuantizedEmbedding(embedding, dtype) if isinstance(embedding, QuantizedTensor)
-                          else tensor("token_embd.weight"))  # [V, H]
-        if "output.weight" in weights:
-            self.lm_head = projection("output.weight")
-        else:  # tied
-            self.lm_head = projection("token_embd.weight") if isinstance(embedding, QuantizedTensor) else self.embedding
+        tied = "output.weight" not in weights
+        if isinstance(embedding, QuantizedTensor):  # (tied: its rows looked up from the lm head's packed bytes)
+            self.lm_head = projection("token_embd.weight" if tied else "output.weight")
+            self.embedding = QuantizedEmbedding(embedding, dtype, self.lm_head if tied else None)
+        else:
+            self.embedding = tensor("token_embd.weight")  # [V, H]
+            self.lm_head = self.embedding if tied else projection("output.weight")
         self.final_norm = tensor("output_norm.weight")
         self.layers = [
             LayerWeights(

@@ -8,8 +8,11 @@ with q in 0..15. llama.cpp's types map onto it exactly (the scales only rounded 
 - Q4_1 (w = d q + m): scale d, zero m + 8 d;
 - Q4_K (per 32 of a 256-block, w = d sc q - dmin m): scale d sc, zero 8 d sc - dmin m;
 - Q8_0 (w = d q, q in -128..127): q = 16 hi + lo, two parts: hi + 8 with scale 16 d, zero 0, and
-  lo with scale d, zero 8 d (a byte a weight, as the file's).
-Other types (F32, F16, Q5_*, Q6_K ...) are dequantized as without quantization.
+  lo with scale d, zero 8 d (a byte a weight, as the file's);
+- Q5_0, Q5_1, Q5_K (q in 0..31: its fifth bit hi, and lo): two parts, hi + 8 with scale 16 d (Q5_K:
+  16 d sc), zero 0; lo with Q4_0's (zero -8 d, for w = d (q - 16)), Q4_1's or Q4_K's scale and zero.
+Other types (F32, F16, Q6_K, whose 16-weight groups the kernel's 32 do not hold ...) are dequantized
+as without quantization.
 
 The kernel computes each row of x alone (a row's result does not depend on the other rows of the
 step: tests/test_quantized.py), so these projections do not make a request's tokens depend on its
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 GROUP = 32  # weights per scale along a row: every type here has groups of 32
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K")
 
 
 @dataclass
@@ -41,11 +44,9 @@ class Int4Part:
 
 @dataclass
 class QuantizedTensor:
-    """A GGUF tensor kept quantized: the sum of its parts (one; two for Q8_0), [N, K] each.
-    `rows` also keeps Q8_0's bytes and scales whole, for the embedding's lookup of a few rows."""
+    """A GGUF tensor kept quantized: the sum of its parts (one; two for Q8_0), [N, K] each."""
     type_name: str
     parts: list[Int4Part]
-    rows: tuple[np.ndarray, np.ndarray] | None = None  # Q8_0: int8 q [N, K], d [N, K / 32]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,6 +63,16 @@ def _halves(d: np.ndarray) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes -> [..., 32] values: the low nibbles are the first 16, the high the last."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes -> [..., 32] values 0 or 1: value i is bit i of the little-endian uint32."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _fifth_bit(high: np.ndarray, scale: np.ndarray) -> Int4Part:
+    """The part 16 scale hi of a 5-bit q = 16 hi + lo (hi 0 or 1, kept as hi + 8)."""
+    return Int4Part((high + 8).astype(np.uint8), 16 * scale, np.zeros_like(scale))
 
 
 def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> QuantizedTensor:
@@ -97,13 +108,34 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
         low = (q8 - high * 16).astype(np.uint8)
         parts = [Int4Part((high + 8).astype(np.uint8).reshape(rows, columns), 16 * d, np.zeros_like(d)),
                  Int4Part(low.reshape(rows, columns), d, 8 * d)]
-        return QuantizedTensor(type_name, parts, rows=(q8.reshape(rows, columns), d))
+        return QuantizedTensor(type_name, parts)
+    if type_name in ("Q5_0", "Q5_1"):  # 22 / 24 bytes: d (, m), 4 bytes of fifth bits, 16 of nibbles
+        at = 2 if type_name == "Q5_0" else 4
+        blocks = blocks.reshape(rows, groups, at + 20)
+        d = _halves(blocks[..., 0:2].copy())
+        high = _bits(blocks[..., at:at + 4]).reshape(rows, columns)
+        low = _nibbles(blocks[..., at + 4:at + 20]).reshape(rows, columns)
+        zero = -8 * d if type_name == "Q5_0" else _halves(blocks[..., 2:4].copy()) + 8 * d
+        return QuantizedTensor(type_name, [_fifth_bit(high, d), Int4Part(low, d, zero)])
+    if type_name == "Q5_K":  # 176 bytes per 256: d, dmin, 12 bytes of scales and mins, 32 of fifth bits, 128 of nibbles
+        from gguf.quants import Q4_K
+
+        blocks = blocks.reshape(rows * (columns // 256), 176)
+        d, dmin = _halves(blocks[:, 0:2].copy()), _halves(blocks[:, 2:4].copy())
+        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
+        scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, groups)
+        zero = 8 * scale - (dmin[:, None] * mins.astype(np.float32)).reshape(rows, groups)
+        qh = blocks[:, 16:48]  # sub-block s's fifth bits: bit s of these 32 bytes
+        high = np.stack([(qh >> bit) & 1 for bit in range(8)], axis=1).reshape(rows, columns)
+        qs = blocks[:, 48:176].reshape(-1, 4, 32)  # as Q4_K's: sub-blocks 2j (low), 2j + 1 (high)
+        low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, columns)
+        return QuantizedTensor(type_name, [_fifth_bit(high, scale), Int4Part(low, scale, zero)])
     raise ValueError(f"tensor type {type_name} is not kept quantized; kept: {', '.join(PACKED_TYPES)}")
 
 
 def concatenated(tensors: list[QuantizedTensor]) -> QuantizedTensor | None:
     """Several tensors' rows as one (Q, K and V; gate and up) where each has the same parts' form
-    (all of one part, or all Q8_0); None where they do not."""
+    (all of one part, or all of two: Q8_0 and Q5_*); None where they do not."""
     counts = {len(tensor.parts) for tensor in tensors}
     if len(counts) != 1:
         return None
@@ -117,8 +149,7 @@ def concatenated(tensors: list[QuantizedTensor]) -> QuantizedTensor | None:
 def rows_permuted(tensor: QuantizedTensor, permute) -> QuantizedTensor:
     """The same tensor with its rows reordered by `permute` (an [N, ...] array -> [N, ...] function)."""
     parts = [Int4Part(permute(part.q), permute(part.scale), permute(part.zero)) for part in tensor.parts]
-    rows = None if tensor.rows is None else (permute(tensor.rows[0]), permute(tensor.rows[1]))
-    return QuantizedTensor(tensor.type_name, parts, rows)
+    return QuantizedTensor(tensor.type_name, parts)
 
 
 class PackedLinear:
@@ -148,27 +179,111 @@ class PackedLinear:
         return sum(packed.nbytes + scales.nbytes for packed, scales in self.parts)
 
 
-class QuantizedEmbedding:
-    """The token embedding's rows looked up from a kept-quantized table (its dequantized rows only)."""
+class Nibbles:
+    """A table's parts' 4-bit values [N, K] each, two a byte, and the rows of them a lookup asks for.
+    The bytes are the int4 kernel's own packed weights where the table is also the lm head (held once,
+    as llama.cpp holds a tied table), in the layout torch packs them (KERNEL_LAYOUTS; found by decoding
+    the whole table at load, so a torch that packs otherwise costs memory, never a wrong row); else a
+    copy of their own, in the form ("pairs", 2): rows 2j and 2j + 1 in the K bytes of pair j."""
 
-    def __init__(self, tensor: QuantizedTensor, dtype: torch.dtype) -> None:
+    # torch's CPU int4 packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp weight_to_int4pack_kernel):
+    # rows in blocks of B, a block's bytes k by k, B / 2 bytes a k; "halves": row o of a block in byte
+    # o % (B / 2) of its k, the low nibble for the block's first half (AVX-512: B 64; AVX2: B 32);
+    # "pairs": rows 2j and 2j + 1 in byte j (no vectors; and any block shorter than B, the last one).
+    KERNEL_LAYOUTS = (("halves", 64), ("halves", 32), ("pairs", 32), ("pairs", 64))
+    CHECKED_ROWS = 4096  # rows decoded at a time when checking a layout (an index tensor of that many rows)
+
+    def __init__(self, data: list[torch.Tensor], rows: int, columns: int, layout: tuple[str, int], own: bool) -> None:
+        """Where each row starts, its bytes' stride and its nibble, worked out once (7 bytes a row)."""
+        self.data, self.columns, self.layout, self.own = data, columns, layout, own
+        form, block = layout
+        ids = torch.arange(rows)
+        whole = rows // block * block  # rows in whole blocks; the rest are the last, short block
+        in_tail = ids >= whole
+        offset = torch.where(in_tail, ids - whole, ids % block)  # the row within its block
+        width = torch.where(in_tail, rows - whole, block) // 2  # bytes per k in the row's block
+        halves = ~in_tail if form == "halves" else torch.zeros_like(in_tail)
+        self.start = ((ids - offset) * (columns // 2) + torch.where(halves, offset % width, offset // 2)).int()
+        self.shift = (4 * torch.where(halves, offset // width, offset % 2)).to(torch.uint8)
+        self.width = None if whole == rows else width.short()  # (one stride for all: no short block)
+        self.steps = torch.arange(columns) * (block // 2)
+
+    @classmethod
+    def of(cls, parts: list[np.ndarray], packed: list[torch.Tensor] | None = None) -> "Nibbles":
+        """The parts' q [N, K] in 0..15, held as `packed` (the kernel's bytes of the same q) where one
+        of the layouts decodes all of them to q, else as a copy of their own."""
+        rows, columns = parts[0].shape
+        if packed is not None and all(held.dtype == torch.uint8 and held.numel() * 2 == rows * columns
+                                      for held in packed):
+            for layout in cls.KERNEL_LAYOUTS:
+                held = cls([part.reshape(-1) for part in packed], rows, columns, layout, own=False)
+                if all(all(torch.equal(got, torch.from_numpy(q[first:first + cls.CHECKED_ROWS]))
+                           for got, q in zip(held.lookup(torch.arange(first, min(first + cls.CHECKED_ROWS, rows))),
+                                             parts))
+                       for first in range(0, rows, cls.CHECKED_ROWS)):
+                    return held
+        own = []
+        for q in parts:
+            even = np.concatenate([q, np.zeros((rows % 2, columns), q.dtype)])  # (an odd last row paired with 0s)
+            own.append(torch.from_numpy(np.ascontiguousarray(even[0::2] | (even[1::2] << 4)).astype(np.uint8)).reshape(-1))
+        return cls(own, rows, columns, ("pairs", 2), own=True)
+
+    def lookup(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's rows `ids` [T] of q: [T, K] uint8."""
+        steps = self.steps if self.width is None else torch.arange(self.columns) * self.width[ids][:, None]
+        index = (self.start[ids][:, None] + steps).view(-1)
+        shift = self.shift[ids][:, None]
+        return [(data.index_select(0, index).view(len(ids), -1) >> shift) & 0x0F for data in self.data]
+
+    @property
+    def nbytes(self) -> int:  # (the kernel's bytes are counted as the lm head's)
+        tables = sum(table.nbytes for table in (self.start, self.shift, self.width) if table is not None)
+        return tables + (sum(data.nbytes for data in self.data) if self.own else 0)
+
+
+def _narrowest(values: np.ndarray) -> torch.Tensor | None:
+    """float32 values as float16 where that holds them exactly (a GGUF's d and m are float16), None
+    where they are all 0."""
+    if not values.any():
+        return None
+    narrow = values.astype(np.float16)
+    return torch.from_numpy(narrow if np.array_equal(narrow.astype(np.float32), values) else values)
+
+
+class QuantizedEmbedding:
+    """The token embedding's rows looked up from a kept-quantized table, dequantized on lookup: each
+    part's 4-bit values (Nibbles: the tied lm head's packed bytes, where it is one) and its scales and
+    zeros as narrow as they are exact. Q8_0's two parts are its bytes, 16 (hi - 8) + lo, times d, held
+    once: so a tied Q8_0 table takes the file's bytes plus the kernel's second part's, not twice."""
+
+    def __init__(self, tensor: QuantizedTensor, dtype: torch.dtype, lm_head: "PackedLinear | None" = None) -> None:
         self.dtype = dtype
-        if tensor.rows is not None:  # Q8_0: bytes and scales
-            self.q = torch.from_numpy(tensor.rows[0])
-            self.scale = torch.from_numpy(tensor.rows[1])
-            self.zero = None
-        else:  # one int4 part: q - 8 as int8
-            [part] = tensor.parts
-            self.q = torch.from_numpy(part.q.astype(np.int8) - 8)
-            self.scale, self.zero = torch.from_numpy(part.scale), torch.from_numpy(part.zero)
+        self.nibbles = Nibbles.of([part.q for part in tensor.parts],
+                                  None if lm_head is None else [packed for packed, _ in lm_head.parts])
+        self.bytes_form = (len(tensor.parts) == 2 and not tensor.parts[0].zero.any()
+                           and np.array_equal(tensor.parts[0].scale, 16 * tensor.parts[1].scale)
+                           and np.array_equal(tensor.parts[1].zero, 8 * tensor.parts[1].scale))
+        if self.bytes_form:  # Q8_0: d
+            self.scales = [(_narrowest(tensor.parts[1].scale), None)]
+        else:
+            self.scales = [(_narrowest(part.scale), _narrowest(part.zero)) for part in tensor.parts]
 
     def index_select(self, dim: int, token_ids: torch.Tensor) -> torch.Tensor:
-        q = self.q.index_select(0, token_ids).float()
-        rows = q.view(q.shape[0], -1, GROUP) * self.scale.index_select(0, token_ids)[..., None]
-        if self.zero is not None:
-            rows = rows + self.zero.index_select(0, token_ids)[..., None]
-        return rows.view(q.shape[0], -1).to(self.dtype)
+        if self.bytes_form:  # 16 hi + lo = q + 128: the file's signed byte q
+            high, low = self.nibbles.lookup(token_ids)
+            values = [((high << 4) | low).bitwise_xor_(0x80).view(torch.int8).float()]
+        else:
+            values = [part.float() - 8 for part in self.nibbles.lookup(token_ids)]
+        rows = None
+        for value, (scale, zero) in zip(values, self.scales):
+            grouped = value.view(len(token_ids), -1, GROUP) * scale.index_select(0, token_ids).float()[..., None]
+            if zero is not None:
+                grouped = grouped + zero.index_select(0, token_ids).float()[..., None]
+            rows = grouped if rows is None else rows + grouped
+        return rows.view(len(token_ids), -1).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return sum(tensor.nbytes for tensor in (self.q, self.scale, self.zero) if tensor is not None)
+        held = [self.nibbles.nbytes]
+        held += [tensor.nbytes for pair in self.scales for tensor in pair if tensor is not None]
+        return sum(held)
