@@ -10,6 +10,7 @@ Writes benchmarks/results/NAME.md.
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ def main() -> None:
     lines = [f"# Decode steps with the weights dequantized or kept packed (executor: engine, SmolLM2-135M Q4_1)", "",
              f"{machine_info()['cpu']}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}; "
              f"context {args.context} tokens, best of {args.rounds} turns of {args.steps} steps; "
-             f"`.venv/bin/python benchmarks/quantized.py --name {args.name}` ({time.time() - started:.0f} s).", "",
+             f"`.venv/bin/python benchmarks/quantized.py {shlex.join(sys.argv[1:])}` ({time.time() - started:.0f} s).", "",
              "| rows | " + " | ".join(f"{name} (ms)" for name in engines) + " | packed bfloat16 / float32 |",
              "|---|" + "---|" * (len(engines) + 1)]
     for batch, best in rows:
