@@ -3,7 +3,8 @@ multiplied by torch's dequantizing int4 kernel, not dequantized to float32 at lo
 
 Every type kept packed is a sum of parts of the one form torch's CPU int4 kernel computes
 (aten::_weight_int4pack_mm_for_cpu): per group of 32 weights along a row, w = scale * (q - 8) + zero
-with q in 0..15. llama.cpp's types map onto it exactly (the scales only rounded to the compute dtype):
+with q in 0..15. llama.cpp's types map onto it (the 4-bit values exactly; the scales and zeros rounded
+to float32, a K type's zero folding its two terms into one, then to the compute dtype):
 - Q4_0 (w = d (q - 8)): scale d, zero 0;
 - Q4_1 (w = d q + m): scale d, zero m + 8 d;
 - Q4_K (per 32 of a 256-block, w = d sc q - dmin m): scale d sc, zero 8 d sc - dmin m;
@@ -12,17 +13,22 @@ with q in 0..15. llama.cpp's types map onto it exactly (the scales only rounded 
 - Q5_0, Q5_1, Q5_K (q in 0..31: its fifth bit hi, and lo): two parts, hi + 8 with scale 16 d (Q5_K:
   16 d sc), zero 0; lo with Q4_0's (zero -8 d, for w = d (q - 16)), Q4_1's or Q4_K's scale and zero.
 Other types (F32, F16, Q6_K, whose 16-weight groups the kernel's 32 do not hold ...) are dequantized
-as without quantization.
+as without quantization. Each tensor also keeps the file's own formula (FileValues: w = scale q +
+offset on the file's integer q, computed as llama.cpp and gguf compute it), for the embedding's
+lookup and any dequantizing: those values are the file's bit for bit.
 
 The kernel computes each row of x alone (a row's result does not depend on the other rows of the
 step: tests/test_quantized.py), so these projections do not make a request's tokens depend on its
 batch (in bfloat16 the decode workspace's attention still does: docs/models.md).
 """
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 GROUP = 32  # weights per scale along a row: every type here has groups of 32
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K")
@@ -43,17 +49,47 @@ class Int4Part:
 
 
 @dataclass
+class FileValues:
+    """The file's formula, per group of 32: w = scale q + offset (float32, as gguf and llama.cpp
+    compute it: one rounding), q the file's integer: the one part's q, or 16 hi + lo of two parts,
+    less `bias` (Q4_0: q - 8; Q8_0: its signed byte; Q5_0: q - 16)."""
+    scale: np.ndarray  # [N, K / 32] float32: d, or d sc
+    offset: np.ndarray | None  # [N, K / 32] float32: m, or -dmin m; None: 0
+    bias: int
+
+    def integers(self, parts: list) -> "np.ndarray | torch.Tensor":
+        return file_integers(parts, self.bias)
+
+
+def file_integers(parts: list, bias: int) -> "np.ndarray | torch.Tensor":
+    """The file's q [..., K] from the parts' values (numpy or torch, as given, 0..15 each)."""
+    high = parts[0].astype(np.int16) if isinstance(parts[0], np.ndarray) else parts[0].short()
+    combined = high if len(parts) == 1 else 16 * high + parts[1]
+    return combined - bias
+
+
+@dataclass
 class QuantizedTensor:
-    """A GGUF tensor kept quantized: the sum of its parts (one; two for Q8_0), [N, K] each."""
+    """A GGUF tensor kept quantized: the sum of its parts (one; two for Q8_0 and Q5_*), [N, K] each,
+    and the file's own formula for its values (None for fused projections: the kernel's only)."""
     type_name: str
     parts: list[Int4Part]
+    values: FileValues | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.parts[0].q.shape
 
     def dequantized(self) -> np.ndarray:
-        return sum(part.dequantized() for part in self.parts)
+        """The file's values exactly (FileValues), else the parts' sum (rounded as the kernel's)."""
+        if self.values is None:
+            return sum(part.dequantized() for part in self.parts)
+        rows, columns = self.shape
+        q = self.values.integers([part.q for part in self.parts]).astype(np.float32).reshape(rows, -1, GROUP)
+        grouped = q * self.values.scale[..., None]
+        if self.values.offset is not None:
+            grouped = grouped + self.values.offset[..., None]
+        return grouped.reshape(rows, columns)
 
 
 def _halves(d: np.ndarray) -> np.ndarray:
@@ -83,23 +119,23 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
         blocks = blocks.reshape(rows, groups, 18)
         d = _halves(blocks[..., 0:2].copy())
         q = _nibbles(blocks[..., 2:18]).reshape(rows, columns)
-        return QuantizedTensor(type_name, [Int4Part(q, d, np.zeros_like(d))])
+        return QuantizedTensor(type_name, [Int4Part(q, d, np.zeros_like(d))], FileValues(d, None, 8))
     if type_name == "Q4_1":  # 20 bytes: d, m, 16 bytes of nibbles
         blocks = blocks.reshape(rows, groups, 20)
         d, m = _halves(blocks[..., 0:2].copy()), _halves(blocks[..., 2:4].copy())
         q = _nibbles(blocks[..., 4:20]).reshape(rows, columns)
-        return QuantizedTensor(type_name, [Int4Part(q, d, m + 8 * d)])
+        return QuantizedTensor(type_name, [Int4Part(q, d, m + 8 * d)], FileValues(d, m, 0))
     if type_name == "Q4_K":  # 144 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
         from gguf.quants import Q4_K
 
         blocks = blocks.reshape(rows * (columns // 256), 144)
         d, dmin = _halves(blocks[:, 0:2].copy()), _halves(blocks[:, 2:4].copy())
         sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
-        scale = d[:, None] * sc.astype(np.float32)
-        zero = 8 * scale - dmin[:, None] * mins.astype(np.float32)
+        scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, groups)
+        minimum = (dmin[:, None] * mins.astype(np.float32)).reshape(rows, groups)
         qs = blocks[:, 16:144].reshape(-1, 4, 32)  # each 32 bytes: sub-blocks 2j (low), 2j + 1 (high)
         q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, columns)
-        return QuantizedTensor(type_name, [Int4Part(q, scale.reshape(rows, groups), zero.reshape(rows, groups))])
+        return QuantizedTensor(type_name, [Int4Part(q, scale, 8 * scale - minimum)], FileValues(scale, -minimum, 0))
     if type_name == "Q8_0":  # 34 bytes: d, 32 signed bytes
         blocks = blocks.reshape(rows, groups, 34)
         d = _halves(blocks[..., 0:2].copy())
@@ -108,15 +144,17 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
         low = (q8 - high * 16).astype(np.uint8)
         parts = [Int4Part((high + 8).astype(np.uint8).reshape(rows, columns), 16 * d, np.zeros_like(d)),
                  Int4Part(low.reshape(rows, columns), d, 8 * d)]
-        return QuantizedTensor(type_name, parts)
+        return QuantizedTensor(type_name, parts, FileValues(d, None, 128))
     if type_name in ("Q5_0", "Q5_1"):  # 22 / 24 bytes: d (, m), 4 bytes of fifth bits, 16 of nibbles
         at = 2 if type_name == "Q5_0" else 4
         blocks = blocks.reshape(rows, groups, at + 20)
         d = _halves(blocks[..., 0:2].copy())
         high = _bits(blocks[..., at:at + 4]).reshape(rows, columns)
         low = _nibbles(blocks[..., at + 4:at + 20]).reshape(rows, columns)
-        zero = -8 * d if type_name == "Q5_0" else _halves(blocks[..., 2:4].copy()) + 8 * d
-        return QuantizedTensor(type_name, [_fifth_bit(high, d), Int4Part(low, d, zero)])
+        m = None if type_name == "Q5_0" else _halves(blocks[..., 2:4].copy())
+        values = FileValues(d, None, 128 + 16) if m is None else FileValues(d, m, 128)
+        return QuantizedTensor(type_name, [_fifth_bit(high, d), Int4Part(low, d, -8 * d if m is None else m + 8 * d)],
+                               values)
     if type_name == "Q5_K":  # 176 bytes per 256: d, dmin, 12 bytes of scales and mins, 32 of fifth bits, 128 of nibbles
         from gguf.quants import Q4_K
 
@@ -124,12 +162,13 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
         d, dmin = _halves(blocks[:, 0:2].copy()), _halves(blocks[:, 2:4].copy())
         sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
         scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, groups)
-        zero = 8 * scale - (dmin[:, None] * mins.astype(np.float32)).reshape(rows, groups)
+        minimum = (dmin[:, None] * mins.astype(np.float32)).reshape(rows, groups)
         qh = blocks[:, 16:48]  # sub-block s's fifth bits: bit s of these 32 bytes
         high = np.stack([(qh >> bit) & 1 for bit in range(8)], axis=1).reshape(rows, columns)
         qs = blocks[:, 48:176].reshape(-1, 4, 32)  # as Q4_K's: sub-blocks 2j (low), 2j + 1 (high)
         low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, columns)
-        return QuantizedTensor(type_name, [_fifth_bit(high, scale), Int4Part(low, scale, zero)])
+        return QuantizedTensor(type_name, [_fifth_bit(high, scale), Int4Part(low, scale, 8 * scale - minimum)],
+                               FileValues(scale, -minimum, 128))
     raise ValueError(f"tensor type {type_name} is not kept quantized; kept: {', '.join(PACKED_TYPES)}")
 
 
@@ -149,7 +188,9 @@ def concatenated(tensors: list[QuantizedTensor]) -> QuantizedTensor | None:
 def rows_permuted(tensor: QuantizedTensor, permute) -> QuantizedTensor:
     """The same tensor with its rows reordered by `permute` (an [N, ...] array -> [N, ...] function)."""
     parts = [Int4Part(permute(part.q), permute(part.scale), permute(part.zero)) for part in tensor.parts]
-    return QuantizedTensor(tensor.type_name, parts)
+    values = tensor.values and FileValues(permute(tensor.values.scale), None if tensor.values.offset is None
+                                          else permute(tensor.values.offset), tensor.values.bias)
+    return QuantizedTensor(tensor.type_name, parts, values)
 
 
 class PackedLinear:
@@ -189,9 +230,9 @@ class Nibbles:
     # torch's CPU int4 packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp weight_to_int4pack_kernel):
     # rows in blocks of B, a block's bytes k by k, B / 2 bytes a k; "halves": row o of a block in byte
     # o % (B / 2) of its k, the low nibble for the block's first half (AVX-512: B 64; AVX2: B 32);
-    # "pairs": rows 2j and 2j + 1 in byte j (no vectors; and any block shorter than B, the last one).
-    KERNEL_LAYOUTS = (("halves", 64), ("halves", 32), ("pairs", 32), ("pairs", 64))
-    CHECKED_ROWS = 4096  # rows decoded at a time when checking a layout (an index tensor of that many rows)
+    # "pairs": rows 2j and 2j + 1 in byte j (no vectors: B 32; NEON: B 16; any block shorter than B).
+    KERNEL_LAYOUTS = (("halves", 64), ("halves", 32), ("pairs", 32), ("pairs", 16), ("pairs", 64))
+    CHECKED_VALUES = 1 << 22  # values decoded at a time when checking a layout (an int64 index each)
 
     def __init__(self, data: list[torch.Tensor], rows: int, columns: int, layout: tuple[str, int], own: bool) -> None:
         """Where each row starts, its bytes' stride and its nibble, worked out once (7 bytes a row)."""
@@ -203,7 +244,9 @@ class Nibbles:
         offset = torch.where(in_tail, ids - whole, ids % block)  # the row within its block
         width = torch.where(in_tail, rows - whole, block) // 2  # bytes per k in the row's block
         halves = ~in_tail if form == "halves" else torch.zeros_like(in_tail)
-        self.start = ((ids - offset) * (columns // 2) + torch.where(halves, offset % width, offset // 2)).int()
+        width = width.clamp(min=1)  # (a 1-row last block: "pairs" at byte 0, its nibble the low one)
+        start = (ids - offset) * (columns // 2) + torch.where(halves, offset % width, offset // 2)
+        self.start = start.int() if rows * columns // 2 < 2 ** 31 else start
         self.shift = (4 * torch.where(halves, offset // width, offset % 2)).to(torch.uint8)
         self.width = None if whole == rows else width.short()  # (one stride for all: no short block)
         self.steps = torch.arange(columns) * (block // 2)
@@ -215,18 +258,22 @@ class Nibbles:
         rows, columns = parts[0].shape
         if packed is not None and all(held.dtype == torch.uint8 and held.numel() * 2 == rows * columns
                                       for held in packed):
+            chunk = max(1, cls.CHECKED_VALUES // columns)
             for layout in cls.KERNEL_LAYOUTS:
                 held = cls([part.reshape(-1) for part in packed], rows, columns, layout, own=False)
-                if all(all(torch.equal(got, torch.from_numpy(q[first:first + cls.CHECKED_ROWS]))
-                           for got, q in zip(held.lookup(torch.arange(first, min(first + cls.CHECKED_ROWS, rows))),
-                                             parts))
-                       for first in range(0, rows, cls.CHECKED_ROWS)):
+                if all(all(torch.equal(got, torch.from_numpy(q[first:first + chunk]))
+                           for got, q in zip(held.lookup(torch.arange(first, min(first + chunk, rows))), parts))
+                       for first in range(0, rows, chunk)):
                     return held
+            log.warning("event=tied_table_copied rows=%d columns=%d reason=int4_layout_unknown (torch %s packs "
+                        "in none of %s: the table's 4-bit values are held a second time)", rows, columns,
+                        torch.__version__, cls.KERNEL_LAYOUTS)
         own = []
         for q in parts:
             even = np.concatenate([q, np.zeros((rows % 2, columns), q.dtype)])  # (an odd last row paired with 0s)
-            own.append(torch.from_numpy(np.ascontiguousarray(even[0::2] | (even[1::2] << 4)).astype(np.uint8)).reshape(-1))
-        return cls(own, rows, columns, ("pairs", 2), own=True)
+            paired = np.ascontiguousarray(even[0::2] | (even[1::2] << 4)).astype(np.uint8)
+            own.append(torch.from_numpy(paired).reshape(-1))
+        return cls(own, rows + rows % 2, columns, ("pairs", 2), own=True)
 
     def lookup(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Each part's rows `ids` [T] of q: [T, K] uint8."""
@@ -241,49 +288,34 @@ class Nibbles:
         return tables + (sum(data.nbytes for data in self.data) if self.own else 0)
 
 
-def _narrowest(values: np.ndarray) -> torch.Tensor | None:
-    """float32 values as float16 where that holds them exactly (a GGUF's d and m are float16), None
-    where they are all 0."""
-    if not values.any():
-        return None
+def _narrowest(values: np.ndarray) -> torch.Tensor:
+    """float32 values as float16 where that holds them exactly (a GGUF's d and m are float16)."""
     narrow = values.astype(np.float16)
     return torch.from_numpy(narrow if np.array_equal(narrow.astype(np.float32), values) else values)
 
 
 class QuantizedEmbedding:
-    """The token embedding's rows looked up from a kept-quantized table, dequantized on lookup: each
-    part's 4-bit values (Nibbles: the tied lm head's packed bytes, where it is one) and its scales and
-    zeros as narrow as they are exact. Q8_0's two parts are its bytes, 16 (hi - 8) + lo, times d, held
-    once: so a tied Q8_0 table takes the file's bytes plus the kernel's second part's, not twice."""
+    """The token embedding's rows looked up from a kept-quantized table, dequantized on lookup by the
+    file's own formula (FileValues: the file's values bit for bit): the parts' 4-bit values (Nibbles:
+    the tied lm head's packed bytes, where it is one, so a tied table is held once) and the file's
+    scales and offsets, as narrow as they are exact (Q8_0: its d, float16, as the file's)."""
 
     def __init__(self, tensor: QuantizedTensor, dtype: torch.dtype, lm_head: "PackedLinear | None" = None) -> None:
-        self.dtype = dtype
+        if tensor.values is None:
+            raise ValueError(f"a {tensor.type_name} table has no file values to look its rows up by")
+        self.dtype, self.bias = dtype, tensor.values.bias  # (not the float32 arrays: narrowed below)
         self.nibbles = Nibbles.of([part.q for part in tensor.parts],
                                   None if lm_head is None else [packed for packed, _ in lm_head.parts])
-        self.bytes_form = (len(tensor.parts) == 2 and not tensor.parts[0].zero.any()
-                           and np.array_equal(tensor.parts[0].scale, 16 * tensor.parts[1].scale)
-                           and np.array_equal(tensor.parts[1].zero, 8 * tensor.parts[1].scale))
-        if self.bytes_form:  # Q8_0: d
-            self.scales = [(_narrowest(tensor.parts[1].scale), None)]
-        else:
-            self.scales = [(_narrowest(part.scale), _narrowest(part.zero)) for part in tensor.parts]
+        self.scale = _narrowest(tensor.values.scale)
+        self.offset = None if tensor.values.offset is None else _narrowest(tensor.values.offset)
 
     def index_select(self, dim: int, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.bytes_form:  # 16 hi + lo = q + 128: the file's signed byte q
-            high, low = self.nibbles.lookup(token_ids)
-            values = [((high << 4) | low).bitwise_xor_(0x80).view(torch.int8).float()]
-        else:
-            values = [part.float() - 8 for part in self.nibbles.lookup(token_ids)]
-        rows = None
-        for value, (scale, zero) in zip(values, self.scales):
-            grouped = value.view(len(token_ids), -1, GROUP) * scale.index_select(0, token_ids).float()[..., None]
-            if zero is not None:
-                grouped = grouped + zero.index_select(0, token_ids).float()[..., None]
-            rows = grouped if rows is None else rows + grouped
+        q = file_integers(self.nibbles.lookup(token_ids), self.bias).float()  # (small integers: exact)
+        rows = q.view(len(token_ids), -1, GROUP) * self.scale.index_select(0, token_ids).float()[..., None]
+        if self.offset is not None:
+            rows = rows + self.offset.index_select(0, token_ids).float()[..., None]
         return rows.view(len(token_ids), -1).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        held = [self.nibbles.nbytes]
-        held += [tensor.nbytes for pair in self.scales for tensor in pair if tensor is not None]
-        return sum(held)
+        return self.nibbles.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
