@@ -26,8 +26,8 @@ from tests.engine_helpers import GREEDY, decode_item, generate_alone, prefill_it
 ROWS, COLUMNS = 48, 512
 
 
-def quantized_by_gguf(type_name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A random [ROWS, COLUMNS] matrix in the type's raw blocks, and gguf's dequantization of them."""
+def quantized_by_gguf(type_name: str, seed: int = 0, rows: int = ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """A random [rows, COLUMNS] matrix in the type's raw blocks, and gguf's dequantization of them."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -35,12 +35,12 @@ def quantized_by_gguf(type_name: str, seed: int = 0) -> tuple[np.ndarray, np.nda
     rng = np.random.default_rng(seed)
     if type_name in ("Q4_K", "Q5_K"):  # (gguf does not quantize to these: random blocks, d and dmin each a
         # block's own, 1e-4..2e-2, so a folded zero 8 d sc - dmin m rounds and only the file's formula is exact)
-        blocks = rng.integers(0, 256, (ROWS * COLUMNS // 256, 144 if type_name == "Q4_K" else 176), dtype=np.uint8)
+        blocks = rng.integers(0, 256, (rows * COLUMNS // 256, 144 if type_name == "Q4_K" else 176), dtype=np.uint8)
         blocks[:, 0:4] = rng.uniform(1e-4, 2e-2, (len(blocks), 2)).astype(np.float16).view(np.uint8)
-        data = blocks.reshape(ROWS, -1)
+        data = blocks.reshape(rows, -1)
     else:
-        data = quantize(rng.standard_normal((ROWS, COLUMNS)).astype(np.float32), quant)
-    return data, dequantize(data, quant).reshape(ROWS, COLUMNS)
+        data = quantize(rng.standard_normal((rows, COLUMNS)).astype(np.float32), quant)
+    return data, dequantize(data, quant).reshape(rows, COLUMNS)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K"])
@@ -65,12 +65,7 @@ def looked_up_from_the_lm_heads_bytes(rows: int) -> dict:
     bytes (not a copy), against gguf's dequantization; in this process's torch CPU capability."""
     found = {}
     for type_name in ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K"):
-        global ROWS
-        ROWS, kept = rows, ROWS
-        try:
-            data, expected = quantized_by_gguf(type_name)
-        finally:
-            ROWS = kept
+        data, expected = quantized_by_gguf(type_name, rows=rows)
         tensor = unpack(type_name, data, rows, COLUMNS)
         for dtype in (torch.float32, torch.bfloat16):
             lm_head = PackedLinear(tensor, torch.device("cpu"), dtype)
@@ -91,16 +86,16 @@ def test_a_tied_tables_rows_are_looked_up_from_the_lm_heads_packed_bytes_exactly
     script = ("import json, sys; sys.path.insert(0, '.'); import torch; from tests.test_quantized import "
               "looked_up_from_the_lm_heads_bytes as f; print(json.dumps({'capability': "
               "torch.backends.cpu.get_cpu_capability(), **f(240), **f(48), **f(64)}))")
-    environment = {**os.environ, "ATEN_CPU_CAPABILITY": capability} if capability else dict(os.environ)
-    environment.pop("ATEN_CPU_CAPABILITY", None) if not capability else None
+    environment = dict(os.environ)
+    environment.pop("ATEN_CPU_CAPABILITY", None)
+    if capability:  # ("": the host's own)
+        environment["ATEN_CPU_CAPABILITY"] = capability
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env=environment, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    if capability:
-        assert found.pop("capability") == capability.upper()
-    else:
-        found.pop("capability")
+    ran_on = found.pop("capability")
+    assert not capability or ran_on == capability.upper()
     for case, (exact, own, layout, held, nibbles) in found.items():
         assert exact and not own, (case, layout)
         assert held < nibbles / 1.5, case  # (its scales and zeros, as narrow as exact, and 7 bytes a row)
