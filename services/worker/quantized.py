@@ -57,9 +57,6 @@ class FileValues:
     offset: np.ndarray | None  # [N, K / 32] float32: m, or -dmin m; None: 0
     bias: int
 
-    def integers(self, parts: list) -> "np.ndarray | torch.Tensor":
-        return file_integers(parts, self.bias)
-
 
 def file_integers(parts: list, bias: int) -> "np.ndarray | torch.Tensor":
     """The file's q [..., K] from the parts' values (numpy or torch, as given, 0..15 each)."""
@@ -85,7 +82,7 @@ class QuantizedTensor:
         if self.values is None:
             return sum(part.dequantized() for part in self.parts)
         rows, columns = self.shape
-        q = self.values.integers([part.q for part in self.parts]).astype(np.float32).reshape(rows, -1, GROUP)
+        q = file_integers([part.q for part in self.parts], self.values.bias).astype(np.float32).reshape(rows, -1, GROUP)
         grouped = q * self.values.scale[..., None]
         if self.values.offset is not None:
             grouped = grouped + self.values.offset[..., None]
@@ -111,6 +108,20 @@ def _fifth_bit(high: np.ndarray, scale: np.ndarray) -> Int4Part:
     return Int4Part((high + 8).astype(np.uint8), 16 * scale, np.zeros_like(scale))
 
 
+def _k_block(blocks: np.ndarray, rows: int, columns: int, nibbles_at: int) -> tuple[np.ndarray, ...]:
+    """A K type's 256-blocks [rows * columns / 256, size]: per group of 32 its scale d sc and its
+    minimum dmin m [rows, columns / 32], and the low nibbles [rows, columns] (128 bytes from
+    nibbles_at, each 32 bytes sub-blocks 2j (low) and 2j + 1 (high))."""
+    from gguf.quants import Q4_K
+
+    d, dmin = _halves(blocks[:, 0:2].copy()), _halves(blocks[:, 2:4].copy())
+    sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
+    scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, columns // GROUP)
+    minimum = (dmin[:, None] * mins.astype(np.float32)).reshape(rows, columns // GROUP)
+    qs = blocks[:, nibbles_at:nibbles_at + 128].reshape(-1, 4, 32)
+    return scale, minimum, np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, columns)
+
+
 def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> QuantizedTensor:
     """The raw blocks of a GGUF tensor [rows, columns] (gguf's tensor.data) as int4 parts."""
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
@@ -126,15 +137,7 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
         q = _nibbles(blocks[..., 4:20]).reshape(rows, columns)
         return QuantizedTensor(type_name, [Int4Part(q, d, m + 8 * d)], FileValues(d, m, 0))
     if type_name == "Q4_K":  # 144 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
-        from gguf.quants import Q4_K
-
-        blocks = blocks.reshape(rows * (columns // 256), 144)
-        d, dmin = _halves(blocks[:, 0:2].copy()), _halves(blocks[:, 2:4].copy())
-        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
-        scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, groups)
-        minimum = (dmin[:, None] * mins.astype(np.float32)).reshape(rows, groups)
-        qs = blocks[:, 16:144].reshape(-1, 4, 32)  # each 32 bytes: sub-blocks 2j (low), 2j + 1 (high)
-        q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, columns)
+        scale, minimum, q = _k_block(blocks.reshape(rows * (columns // 256), 144), rows, columns, 16)
         return QuantizedTensor(type_name, [Int4Part(q, scale, 8 * scale - minimum)], FileValues(scale, -minimum, 0))
     if type_name == "Q8_0":  # 34 bytes: d, 32 signed bytes
         blocks = blocks.reshape(rows, groups, 34)
@@ -156,17 +159,10 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
         return QuantizedTensor(type_name, [_fifth_bit(high, d), Int4Part(low, d, -8 * d if m is None else m + 8 * d)],
                                values)
     if type_name == "Q5_K":  # 176 bytes per 256: d, dmin, 12 bytes of scales and mins, 32 of fifth bits, 128 of nibbles
-        from gguf.quants import Q4_K
-
         blocks = blocks.reshape(rows * (columns // 256), 176)
-        d, dmin = _halves(blocks[:, 0:2].copy()), _halves(blocks[:, 2:4].copy())
-        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
-        scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, groups)
-        minimum = (dmin[:, None] * mins.astype(np.float32)).reshape(rows, groups)
+        scale, minimum, low = _k_block(blocks, rows, columns, 48)
         qh = blocks[:, 16:48]  # sub-block s's fifth bits: bit s of these 32 bytes
         high = np.stack([(qh >> bit) & 1 for bit in range(8)], axis=1).reshape(rows, columns)
-        qs = blocks[:, 48:176].reshape(-1, 4, 32)  # as Q4_K's: sub-blocks 2j (low), 2j + 1 (high)
-        low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(rows, columns)
         return QuantizedTensor(type_name, [_fifth_bit(high, scale), Int4Part(low, scale, 8 * scale - minimum)],
                                FileValues(scale, -minimum, 128))
     raise ValueError(f"tensor type {type_name} is not kept quantized; kept: {', '.join(PACKED_TYPES)}")
