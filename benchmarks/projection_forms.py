@@ -19,9 +19,18 @@ import torch
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # q k v o gate up down
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
+def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows added up to `rows` (a row's result depends on its own row only)."""
+    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+
+
 FORMS = {
     "x @ W.T": lambda x, w: x @ w.T,
     "skinny": lambda x, w: (w @ x.T).T.contiguous(),
+    # rows added up to a multiple of 4 below 12 (x @ W.T), or up to 12 (skinny): the counts whose
+    # rows an AMD Zen 5's float32 kernels compute as in any larger step (services/worker/model.py)
+    "x @ W.T to 4k": lambda x, w: (padded(x, -(-x.shape[0] // 4) * 4) @ w.T)[:x.shape[0]],
+    "skinny to 12": lambda x, w: (w @ padded(x, 12).T)[:, :x.shape[0]].T.contiguous(),
     "row copied": lambda x, w: (w @ x.repeat(2, 1).T)[:, :1].T.contiguous(),
     "row broadcast": lambda x, w: (w @ x.expand(2, -1).T)[:, :1].T.contiguous(),
 }

@@ -6,9 +6,9 @@ alternating in one process so a slow spell of the machine hits both alike.
 
 Prints one line per batch size: the best mean step time of each variant and their ratio (the
 engine's own choice on this host is model.SKINNY_FLOAT32 and SKINNY_BFLOAT16: float32 takes the
-skinny form only off Intel's MKL, bfloat16 not on AMD's Zen 4; a one-row projection's padding to
+skinny form only off Intel's MKL, bfloat16 not on AMD's AVX-512 classes, Zen 4 and 5; a one-row projection's padding to
 two rows, where the host takes it, stays in both variants). --against-earlier compares instead the
-engine's choices on this host with the rules before the AMD Zen 4 class had its own (every form
+engine's choices on this host with the rules before the AMD AVX-512 classes had their own (every form
 skinny up to 64 rows off Intel, a one-row bfloat16 projection as two rows where bfloat16 is native,
 a one-row float32 one as one).
 """

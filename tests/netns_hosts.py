@@ -98,6 +98,15 @@ class Hosts:
         return "".join(path.read_text(errors="replace") for name, _, _, path in self.processes
                        if name == log_name and path.exists())
 
+    def report(self, log_names: list[str]) -> str:
+        """Each named process: running or its exit status, and the end of its log (for a failure)."""
+        lines = []
+        for name, process, _, _ in self.processes:
+            if name in log_names:
+                state = "running" if process.poll() is None else f"exited {process.returncode}"
+                lines.append(f"--- {name} ({state})\n{self.log(name)[-4000:]}")
+        return "\n".join(lines)
+
     def cut(self, name: str) -> None:
         ip("link", "set", self.host_ends[name], "down")
 

@@ -244,7 +244,7 @@ def test_linear_is_x_times_the_transposed_weight_on_both_sides_of_the_skinny_thr
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_one_row_projection_padded_is_the_row_of_a_two_row_one(dtype, pad_one_row, monkeypatch):
     """Where a single row runs as two (a faster path: bfloat16 where it is native, float32 on the AMD
-    Zen 4 class): its result is exactly that row's in a real two-row projection, and x @ W.T within
+    AVX-512 classes): its result is exactly that row's in a real two-row projection, and x @ W.T within
     the dtype's rounding."""
     import services.worker.model as model
 
@@ -262,6 +262,25 @@ def test_a_one_row_projection_padded_is_the_row_of_a_two_row_one(dtype, pad_one_
     exact = x[:1].double() @ weight.double().T
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
     assert (one.double() - exact).abs().max() <= tolerance * exact.abs().max()
+
+
+@pytest.mark.parametrize("vendor,family,capability,expected", [
+    ("AuthenticAMD", "25", "AVX512", True),   # Zen 4
+    ("AuthenticAMD", "26", "AVX512", True),   # Zen 5
+    ("AuthenticAMD", "25", "AVX2", False),    # Zen 3, or torch held to its AVX2 kernels
+    ("AuthenticAMD", "23", "AVX2", False),    # Zen 2
+    ("GenuineIntel", "6", "AVX512", False),
+])
+def test_the_amd_avx512_forms_are_taken_on_zen_4_and_zen_5_only(vendor, family, capability, expected, monkeypatch):
+    """The projection forms measured on AMD's AVX-512 classes (a one-row float32 projection as two
+    rows, bfloat16 as x @ W.T: benchmarks/results/projections_amd_avx512.md) are chosen by the CPU's
+    vendor and family and torch's kernels, read as /proc/cpuinfo and torch say them."""
+    import services.worker.model as model
+
+    cpuinfo = f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 2\n"
+    monkeypatch.setattr(model, "_cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert model._amd_avx512() is expected
 
 
 def test_both_attention_paths_give_the_same_logits():

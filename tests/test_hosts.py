@@ -115,8 +115,9 @@ def sentinel_id(name: str) -> str:
     return hashlib.sha1(f"hosts-sentinel-{name}".encode()).hexdigest()
 
 
-def wait_for_group(url: str, timeout: float = 30) -> None:
-    """Until the primary answers through the Sentinels and its replica is in sync."""
+def wait_for_group(url: str, hosts: Hosts, timeout: float = 30) -> None:
+    """Until the primary answers through the Sentinels and its replica is in sync (else what each
+    Redis and Sentinel process logged, and whether it is still running)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -131,7 +132,8 @@ def wait_for_group(url: str, timeout: float = 30) -> None:
             last = error
         else:
             last = replication
-        assert time.monotonic() < deadline, f"the Redis group did not come up: {last}"
+        assert time.monotonic() < deadline, f"the Redis group did not come up: {last}\n" + hosts.report(
+            ["redis", "redis-2", *(f"sentinel-{name}" for name in SENTINEL_HOSTS)])
         time.sleep(0.3)
 
 
@@ -146,7 +148,7 @@ def deployment():
     try:
         with Hosts(HOSTS, directory) as hosts:
             url = start_redis_group(hosts, directory)
-            wait_for_group(url)
+            wait_for_group(url, hosts)
             env = dict(os.environ) | {
                 "REDIS_URL": url, "PYTHONUNBUFFERED": "1", "ITERSERVE_SCHEDULERS": "2", "ITERSERVE_DEVICE": "cpu",
                 "ITERSERVE_REDIS_WAIT_REPLICAS": "1",
@@ -249,8 +251,13 @@ def test_a_worker_host_cut_off_mid_stream_its_requests_finish_on_the_other_and_i
     assert longest_gap(outputs) < 10.0
     deployment.hosts.restore(host)
     log = lambda: deployment.hosts.log(host)  # noqa: E731
-    asyncio.run(until(lambda: "event=stale_write" in log() or "event=plan_without_lease" in log(),
-                      "the cut-off worker's late result refused once its link is back", 30))
+    restored = time.monotonic()
+    try:
+        asyncio.run(until(lambda: "event=stale_write" in log() or "event=plan_without_lease" in log(),
+                          "the cut-off worker's late result refused once its link is back", 30))
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n" + deployment.hosts.report([host, owner])) from None
+    print(f"hosts: {host}'s late result refused {time.monotonic() - restored:.1f} s after its link is back")
     # back: a worker again, leased by a scheduler (one each, once any handover is done)
     asyncio.run(until(lambda: sorted(len(scheduler["leases"]) for scheduler in deployment.schedulers()) == [1, 1],
                       "the worker back in a shard", 30))

@@ -63,26 +63,28 @@ def _intel_cpu() -> bool:
     return "GenuineIntel" in _cpuinfo()
 
 
-def _amd_zen4() -> bool:
-    """An AMD CPU of family 25 (Zen 3 and 4) whose torch runs its AVX-512 kernels: Zen 4, the class
-    measured below (Zen 5, family 26, has AVX-512 too but is not measured: it keeps the earlier rules)."""
+def _amd_avx512() -> bool:
+    """An AMD CPU of family 25 (Zen 3 and 4) or 26 (Zen 5) whose torch runs its AVX-512 kernels: the
+    classes measured below (Zen 3 has no AVX-512: torch runs its AVX2 kernels there)."""
     family = re.search(r"^cpu family\s*:\s*(\d+)", _cpuinfo(), re.MULTILINE)
-    return ("AuthenticAMD" in _cpuinfo() and family is not None and family.group(1) == "25"
+    return ("AuthenticAMD" in _cpuinfo() and family is not None and family.group(1) in ("25", "26")
             and torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 SKINNY_FLOAT32 = not _intel_cpu()  # float32 projections take the skinny form (not on Intel's MKL)
-# On an AMD EPYC Zen 4 (family 25, AVX-512, AVX512-BF16; benchmarks/results/projections_amd_avx512.md) a
-# one-row float32 projection streams its weight at half the rate a two-row one does, whichever form
-# (all of SmolLM2-135M's projections, cold: 1 row 46 ms, the row twice 24 ms, 2 rows 18 ms): there it
-# runs as two rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 86 ms).
+# On an AMD EPYC with AVX-512 (Zen 4, family 25, and Zen 5, family 26, each with AVX512-BF16;
+# benchmarks/results/projections_amd_avx512.md) a one-row float32 projection streams its weight at
+# half the rate a two-row one does, whichever form (all of SmolLM2-135M's projections, cold: Zen 4
+# 1 row 46 ms, the row twice 24 ms, 2 rows 18 ms; Zen 5 33, 16 and 15 ms): there it runs as two
+# rows, the row copied (a broadcast second row, stride 0, takes a slower path still: 86 and 57 ms).
 # Its row is then exactly that row's in a two-row projection.
-AMD_ZEN4 = _amd_zen4()
-PAD_ONE_ROW_FLOAT32 = AMD_ZEN4
-# There too bfloat16's x @ W.T beats the skinny form at 1-8 rows (1 row 26 ms against 38 padded and
-# 27 skinny; 4 rows 28 against 33) and ties it at 16-32: bfloat16 keeps x @ W.T on that class.
+AMD_AVX512 = _amd_avx512()
+PAD_ONE_ROW_FLOAT32 = AMD_AVX512
+# There too bfloat16's x @ W.T beats the skinny form at 1-8 rows (Zen 4: 1 row 26 ms against 38
+# padded and 27 skinny, 4 rows 28 against 33, a tie at 16-32; Zen 5: 17 against 26 padded and 17
+# skinny, 2-16 rows 16-21 against 24-26): bfloat16 keeps x @ W.T on those classes.
 # (float16, not measured there, keeps the skinny form as everywhere.)
-SKINNY_BFLOAT16 = not AMD_ZEN4
+SKINNY_BFLOAT16 = not AMD_AVX512
 # A one-row bfloat16 projection runs as two rows (the row twice) where torch runs native bfloat16
 # kernels (AVX-512 dispatch on a CPU with AVX512-BF16 or AMX): oneDNN's one-row path is slower than
 # its two-row one there (SmolLM2-135M's lm head 1.92 ms against 1.27, a decode step 30.1 ms against
