@@ -28,7 +28,7 @@ FORMS = {
     "x @ W.T": lambda x, w: x @ w.T,
     "skinny": lambda x, w: (w @ x.T).T.contiguous(),
     # rows added up to a multiple of 4 below 12 (x @ W.T), or up to 12 (skinny): the counts whose
-    # rows an AMD Zen 5's float32 kernels compute as in any larger step (services/worker/model.py)
+    # rows an AMD Zen 5's float32 kernels compute as in any larger step (benchmarks/row_exactness.py)
     "x @ W.T to 4k": lambda x, w: (padded(x, -(-x.shape[0] // 4) * 4) @ w.T)[:x.shape[0]],
     "skinny to 12": lambda x, w: (w @ padded(x, 12).T)[:, :x.shape[0]].T.contiguous(),
     "row copied": lambda x, w: (w @ x.repeat(2, 1).T)[:, :1].T.contiguous(),

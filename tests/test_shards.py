@@ -116,6 +116,38 @@ async def test_a_worker_whose_lease_is_lost_is_reported(redis_client):
     assert (await a.poll(["w1"])).lost_workers == ["w1"]
 
 
+async def test_a_dead_workers_lease_is_given_up_at_once_so_its_late_writes_are_refused(redis_client):
+    """A worker whose heartbeat is gone (a host cut off) may come back within its lease's time and
+    write what it computed meanwhile: its scheduler gives its lease up as it declares it dead, so the
+    worker's WRITE_SCRIPT finds the lease gone (STALE), not its old scheduler's."""
+    from services.scheduler.liveness import WorkerLiveness
+    from services.scheduler.policy import SchedulerPolicy
+    from services.worker.token_writer import STALE, WRITE_SCRIPT
+
+    link = link_of(redis_client, "a")
+    shards = ShardMembership(link, "a", 60_000)  # (a lease that would outlive the test)
+    liveness = WorkerLiveness(link, SchedulerPolicy("a", context_length=256, stop_token_ids=()), stall_seconds=60,
+                              shards=shards)
+    await register_workers(redis_client, "w1", "w2")
+    await liveness.poll()
+    assert liveness.held == {"w1", "w2"}
+    run_id = link.run_id
+    assert await redis_client.get(keys.worker_lease("w1")) == f"a {run_id}".encode()
+
+    def late_write(worker_id: str):
+        return redis_client.eval(WRITE_SCRIPT, 2, MODEL_KEYS.results_of("a"), keys.worker_lease(worker_id),
+                                 b"\x95\x90\x90\x90\x90\x90", b"result", 100, "a")
+
+    assert await late_write("w1") != STALE  # (held: the write lands)
+    await redis_client.delete(keys.worker_heartbeat("w1"))  # w1's host cut off: its heartbeat runs out
+    await liveness.poll()
+    assert liveness.held == {"w2"}
+    assert await redis_client.get(keys.worker_lease("w1")) is None  # given up, not left to run out
+    assert await late_write("w1") == STALE
+    assert await redis_client.get(keys.worker_lease("w2")) == f"a {run_id}".encode()  # (another's stays)
+    await link.exchange.close()
+
+
 def test_the_gateway_sums_several_schedulers_and_counts_the_requests_none_took_as_waiting():
     from services.gateway.store import summed_schedulers
     from shared.messages import SchedulerInfo

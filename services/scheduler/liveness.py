@@ -113,7 +113,13 @@ class WorkerLiveness:
                 if worker_id in self.policy.worker_ids:  # listed: it died; not listed: it left
                     log.warning("%s worker_id=%s", "worker_gone" if unlisted else "worker_dead", worker_id)
                 self.forget(worker_id)
-                self.held.discard(worker_id)  # (its lease runs out; it may come back under its id)
+                if self.shards is not None and worker_id in self.held:
+                    # Given up at once, not left to run out: until then a late write of the worker
+                    # (a link back within the lease's time) would pass its lease check (the
+                    # worker's WRITE_SCRIPT) and land entries for requests now run elsewhere. It may
+                    # come back under its id, leased anew.
+                    await self.shards.release_worker(worker_id, self.link.run_id)
+                self.held.discard(worker_id)
                 continue
             if unlisted:
                 log.info("worker_unlisted worker_id=%s", worker_id)  # alive: its heartbeat key is there

@@ -81,8 +81,11 @@ class ResultApplication:
             or result.scheduler_epoch != self.epoch
             or result.plan_id != flight.plan_id  # a worker answers its plans (and their steps) in order
         ):
-            log.debug("stale_result worker_id=%s plan_id=%d epoch=%s",
-                      result.worker_id, result.plan_id, result.scheduler_epoch)
+            # (a late answer: of a worker given up and back, or to an earlier scheduler; rare, so
+            # said at INFO: a late result of a worker this scheduler holds again passes the
+            # worker's lease check, and is refused here)
+            log.info("stale_result worker_id=%s plan_id=%d epoch=%s",
+                     result.worker_id, result.plan_id, result.scheduler_epoch)
             return []
         steps = result.steps
         if steps > 1 and not self._applies_together(result):
