@@ -174,6 +174,7 @@ def test_a_redis_that_cannot_run_the_leases_scripts_is_refused_at_start():
                               capture_output=True, text=True, timeout=120, env=os.environ | {"REDIS_URL": server.url})
     finally:
         server.stop(kill=True)
+        server.close()  # (its data directory too)
     assert done.returncode == 78, (done.returncode, done.stderr[-1500:])
     assert "iterserve scheduler --schedulers 2: Redis refused the leases' script" in done.stderr, done.stderr[-1500:]
 
