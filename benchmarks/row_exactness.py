@@ -36,9 +36,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--rows", type=int, default=64)
     args = parser.parse_args()
-    model_name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                      platform.processor())
-    family = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("cpu family")), "?")
+    with open("/proc/cpuinfo") as cpuinfo:
+        fields = dict(line.split(":", 1) for line in cpuinfo if ":" in line)  # (the last CPU's: all alike)
+    model_name = fields.get("model name\t", platform.processor()).strip()
+    family = fields.get("cpu family\t", "?").strip()
     print(f"{model_name} (family {family}), torch {torch.__version__}, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; row counts 1-{args.rows} against a {REFERENCE_ROWS}-row "
           f"x @ W.T, every shape of SmolLM2-135M")
@@ -55,16 +56,16 @@ def main() -> None:
     int4 = lambda x, w: torch._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1])  # noqa: E731
     for threads in args.threads:
         torch.set_num_threads(threads)
-        rows = []
+        results = []
         for dtype, dtype_weights in weights.items():
             for name, form in forms.items():
-                differing = sorted({rows for weight in dtype_weights
-                                    for rows in differing_counts(form, inputs[weight.shape[1]].to(dtype), weight, counts)})
-                rows.append((f"{str(dtype)[6:]} {name}", differing))
-        differing = sorted({rows for weight in packed
-                            for rows in differing_counts(int4, inputs[weight[0].shape[1] * 2].bfloat16(), weight, counts)})
-        rows.append(("int4 (packed GGUF, bfloat16)", differing))
-        for name, differing in rows:
+                differing = sorted({count for weight in dtype_weights
+                                    for count in differing_counts(form, inputs[weight.shape[1]].to(dtype), weight, counts)})
+                results.append((f"{str(dtype)[6:]} {name}", differing))
+        differing = sorted({count for weight in packed
+                            for count in differing_counts(int4, inputs[weight[0].shape[1] * 2].bfloat16(), weight, counts)})
+        results.append(("int4 (packed GGUF, bfloat16)", differing))
+        for name, differing in results:
             print(f"{threads} threads, {name:28}: {'exact' if not differing else 'differ at ' + str(differing)}",
                   flush=True)
 
