@@ -136,22 +136,45 @@ def test_a_killed_worker_requests_finish_on_the_other_worker_of_the_same_model_t
     def workers_of(model: str) -> list[dict]:
         return [worker for worker in get_status(system)["workers"] if worker["model"] == model]
 
-    conversations = [[{"role": "user", "content": f"Tell me a long story number {index}."}] for index in range(6)]
-    with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
-        futures = [pool.submit(ask_qwen, client, messages, LONG_OUTPUT, extra_body={"ignore_eos": True})
-                   for messages in conversations]
-        deadline = time.monotonic() + 60
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            busy = [worker for worker in workers_of(QWEN) if worker["running"] > 0]
-            victim = busy[0] if busy else None
-            time.sleep(0.05)
-        assert victim is not None, "no tiny-qwen2 worker ever ran a request"
-        smollm2_before = {worker["id"] for worker in workers_of(SMOLLM2)}
-        os.kill(victim["pid"], signal.SIGKILL)
-        answers = [future.result(timeout=180) for future in futures]
+    # The victim is the worker of the first batch the scheduler records for these requests: watched
+    # in its iteration records, not in /status, whose counts are a heartbeat's (every 0.5 s) and six
+    # tiny-qwen2 requests of 180 tokens take under a second on a quiet machine.
+    records = redis.Redis.from_url(system.redis_url)
+    iterations = ModelKeys(QWEN).iterations
+    try:
+        before = records.xrevrange(iterations, count=1)
+        since = before[0][0] if before else b"0-0"
+        pids = {worker["id"]: worker["pid"] for worker in workers_of(QWEN)}
+        conversations = [[{"role": "user", "content": f"Tell me a long story number {index}."}] for index in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
+            futures = [pool.submit(ask_qwen, client, messages, LONG_OUTPUT, extra_body={"ignore_eos": True})
+                       for messages in conversations]
+            victim, cursor, deadline = None, since, time.monotonic() + 60
+            while victim is None and time.monotonic() < deadline:
+                for _, entries in records.xread({iterations: cursor}, count=16, block=250) or ():
+                    for entry_id, fields in entries:
+                        cursor = entry_id
+                        record = IterationRecord.model_validate(msgpack.unpackb(fields[b"m"]))
+                        victim = victim or (record.worker_id if record.request_ids else None)
+                if victim is None and all(future.done() for future in futures):
+                    pytest.fail(f"the requests ended with no batch recorded: {[f.exception() for f in futures]}")
+            assert victim is not None, "no tiny-qwen2 worker ever ran a request"
+            smollm2_before = {worker["id"] for worker in workers_of(SMOLLM2)}
+            os.kill(pids[victim], signal.SIGKILL)
+            answers = [future.result(timeout=180) for future in futures]
+        batches_by_worker = {}  # this test's batches: only its requests ran on tiny-qwen2 meanwhile
+        for _, fields in records.xrange(iterations, min=f"({since.decode()}"):
+            record = IterationRecord.model_validate(msgpack.unpackb(fields[b"m"]))
+            if record.request_ids:
+                batches_by_worker.setdefault(record.worker_id, set()).update(record.request_ids)
+    finally:
+        records.close()
     for messages, answer in zip(conversations, answers, strict=True):
         assert answer == qwen_greedy_bytes(qwen, messages, LONG_OUTPUT, stop=False)
+    # The kill came mid-way: requests the victim ran were finished by another worker.
+    assert victim in batches_by_worker and len(batches_by_worker) > 1, batches_by_worker.keys()
+    moved = set.union(*(ids for worker, ids in batches_by_worker.items() if worker != victim))
+    assert batches_by_worker[victim] & moved
     assert {worker["id"] for worker in workers_of(SMOLLM2)} == smollm2_before  # the other model untouched
     qwen_records = iteration_requests(system, QWEN)
     assert not qwen_records & iteration_requests(system, SMOLLM2)
