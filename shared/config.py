@@ -140,9 +140,10 @@ class Settings(BaseModel):
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, f32 on cpu
     # vLLM's --quantization: "gguf" keeps a GGUF's Q4_0/1/K, Q5_0/1/K and Q8_0 tensors packed in memory
-    # and multiplies them by torch's dequantizing int4 kernel (services/worker/quantized.py; on the CPU,
-    # a worker of one process), computing in bfloat16 unless dtype says otherwise; "none" (the
-    # default) dequantizes every tensor to the dtype at load.
+    # and multiplies them by torch's dequantizing int4 kernel, or on AVX2 hosts the project's own
+    # (services/worker/quantized.py, cpu_kernels.py; on the CPU, a worker of one process), computing in
+    # bfloat16 (float32 with the project's kernel) unless dtype says otherwise; "none" (the default)
+    # dequantizes every tensor to the dtype at load.
     quantization: Literal["none", "gguf"] = "none"
     attention: Literal["batched", "per_request"] = "batched"
     # torch.compile the non-attention ops of a step (the token count dynamic): fewer, fused ops; the

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from services.bench.logits import LogitsEngine
+from services.worker import cpu_kernels
 from services.worker.engine import weight_bytes
 from services.worker.quantized import PackedLinear, QuantizedEmbedding, concatenated, unpack
 from shared.config import Settings
@@ -68,7 +69,7 @@ def looked_up_from_the_lm_heads_bytes(rows: int) -> dict:
         data, expected = quantized_by_gguf(type_name, rows=rows)
         tensor = unpack(type_name, data, rows, COLUMNS)
         for dtype in (torch.float32, torch.bfloat16):
-            lm_head = PackedLinear(tensor, torch.device("cpu"), dtype)
+            lm_head = PackedLinear(tensor, torch.device("cpu"), dtype, kernel="int4")
             embedding = QuantizedEmbedding(tensor, dtype, lm_head)
             ids = torch.randperm(rows)
             exact = torch.equal(embedding.index_select(0, ids).float(), torch.from_numpy(expected)[ids].to(dtype).float())
@@ -101,16 +102,68 @@ def test_a_tied_tables_rows_are_looked_up_from_the_lm_heads_packed_bytes_exactly
         assert held < nibbles / 1.5, case  # (its scales and zeros, as narrow as exact, and 7 bytes a row)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_1", "Q5_K"])
-def test_the_packed_projection_is_x_times_the_dequantized_weight(type_name):
+def native_kernels():
+    """The project's kernels built and loaded, on every host that has what they need (x86 with AVX2,
+    FMA and F16C: every host class here); elsewhere the test is for torch's kernel only."""
+    if not {"avx2", "fma", "f16c"} <= cpu_kernels._cpu_flags():
+        pytest.skip("the project's packed kernels need an x86 CPU with AVX2, FMA and F16C")
+    assert cpu_kernels.loaded(), "the project's packed kernels did not build: see the log"
+
+
+@pytest.mark.parametrize("kernel", ["int4", "native"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_1", "Q5_K"])
+def test_the_packed_projection_is_x_times_the_dequantized_weight(type_name, kernel):
+    if kernel == "native":
+        native_kernels()
     data, weight = quantized_by_gguf(type_name)
     x = torch.randn(5, COLUMNS)
     expected = x.double() @ torch.from_numpy(weight).double().T
     scale = expected.abs().max().item()
     for dtype, tolerance in ((torch.float32, 5e-6), (torch.bfloat16, 2e-2)):  # (float32: rounding only)
-        got = PackedLinear(unpack(type_name, data, ROWS, COLUMNS), torch.device("cpu"), dtype)(x)
+        projection = PackedLinear(unpack(type_name, data, ROWS, COLUMNS), torch.device("cpu"), dtype, kernel=kernel)
+        # the project's kernel takes the types whose values it holds as the file's: the rest go to torch's
+        assert (projection.native is not None) == (kernel == "native" and type_name in ("Q4_0", "Q4_1", "Q8_0"))
+        got = projection(x)
         assert got.dtype == dtype and got.shape == (5, ROWS)
         assert (got.double() - expected).abs().max().item() < tolerance * scale, dtype
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_native_kernel_gives_a_row_the_same_bits_in_every_batch_and_thread_count(type_name):
+    """Its threads split the weight's rows and a row of x is summed in one order in every block of
+    rows: a request's projections do not depend on its batch or the worker's threads. 50 output
+    rows (not a multiple of the 16 a thread takes), 1-9 and 33 rows of x (blocks of 4 and their rest)."""
+    native_kernels()
+    data, _ = quantized_by_gguf(type_name, rows=50)
+    projection = PackedLinear(unpack(type_name, data, 50, COLUMNS), torch.device("cpu"), torch.float32,
+                              kernel="native")
+    x = torch.randn(33, COLUMNS)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([projection(x[index:index + 1]) for index in range(len(x))])
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33):
+                assert torch.equal(projection(x[:rows]), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_tied_table_is_looked_up_from_the_native_kernels_bytes_exactly(type_name):
+    """With the project's kernel the lm head holds the file's integers as the file does, and the
+    embedding's rows are the file's values bit for bit from those bytes (the table held once)."""
+    native_kernels()
+    data, expected = quantized_by_gguf(type_name, rows=ROWS - 1)
+    tensor = unpack(type_name, data, ROWS - 1, COLUMNS)
+    lm_head = PackedLinear(tensor, torch.device("cpu"), torch.float32, kernel="native")
+    embedding = QuantizedEmbedding(tensor, torch.float32, lm_head)
+    assert embedding.shares_lm_head and embedding.nbytes < lm_head.nbytes / 4
+    ids = torch.randperm(ROWS - 1)
+    np.testing.assert_array_equal(embedding.index_select(0, ids).numpy(), expected[ids.numpy()])
+    # held at the file's size: the blocks' bytes, less nothing, plus nothing
+    assert lm_head.nbytes == data.nbytes
 
 
 def test_fused_projections_concatenate_rows_and_mixed_forms_do_not():
@@ -121,11 +174,14 @@ def test_fused_projections_concatenate_rows_and_mixed_forms_do_not():
     assert concatenated([q, unpack("Q8_0", eight, ROWS, COLUMNS)]) is None  # (one part and two)
 
 
+@pytest.mark.parametrize("kernel", ["int4", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_step(dtype):
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_step(dtype, kernel):
     """What makes packed serving batch-invariant in bfloat16 too (dense bfloat16 is not, here)."""
+    if kernel == "native":
+        native_kernels()
     data, _ = quantized_by_gguf("Q8_0")
-    projection = PackedLinear(unpack("Q8_0", data, ROWS, COLUMNS), torch.device("cpu"), dtype)
+    projection = PackedLinear(unpack("Q8_0", data, ROWS, COLUMNS), torch.device("cpu"), dtype, kernel=kernel)
     x = torch.randn(64, COLUMNS).to(dtype)
     whole = projection(x)
     for rows in (1, 2, 3, 4, 7, 16, 33):
@@ -158,7 +214,7 @@ def test_the_packaged_model_served_quantized_gives_the_dequantized_float32_model
     # 124 MB against 538 (the file: 98 MB; the kernel's scales and zeros in float32, 104 MB in
     # bfloat16); the tied Q8_0 table held once, its rows looked up from the lm head's packed bytes
     file_bytes = Path(load_metadata(Settings().model).path).stat().st_size
-    assert not packed.model.embedding.nibbles.own
+    assert packed.model.embedding.shares_lm_head
     assert weight_bytes(packed.model) < 1.3 * file_bytes < 0.3 * weight_bytes(dense.model)
 
 
@@ -195,13 +251,18 @@ def test_a_packed_engine_keeps_resident_little_beyond_its_weights():
     assert 0 < weights < grown < 2 * weights, (grown, weights)
 
 
-def test_served_quantized_in_bfloat16_a_requests_tokens_do_not_depend_on_its_batch(packaged):
+@pytest.mark.parametrize("kernel", ["int4", "native"])
+def test_served_quantized_in_bfloat16_a_requests_tokens_do_not_depend_on_its_batch(packaged, kernel, monkeypatch):
     """Each request alone, then all four in one batch, step by step: the same tokens. Without the
     decode workspace: its attention over the batch's keys padded to one length is not
     batch-invariant in bfloat16 (with it, two of these four requests come out otherwise)."""
-    engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", quantization="gguf",
+    if kernel == "native":
+        native_kernels()
+    monkeypatch.setenv(cpu_kernels.CHOICE, kernel)
+    engine = LogitsEngine.from_settings(Settings(kv_blocks=256, device="cpu", quantization="gguf", dtype="bfloat16",
                                                  decode_workspace_tokens=0))
     assert engine.model.dtype == torch.bfloat16
+    assert (engine.model.lm_head.native is not None) == (kernel == "native")
     alone = [generate_alone(engine, f"alone-{index}", prompt, 20) for index, prompt in enumerate(packaged)]
     for index in range(len(packaged)):
         engine.add_request(f"r{index}", GREEDY)
@@ -265,3 +326,34 @@ def test_iterserve_up_served_quantized_gives_the_engine_alones_tokens_on_either_
         assert [ask(chat) for chat in messages] == expected
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(ask, messages + messages)) == expected + expected
+
+
+def test_the_packed_kernel_is_chosen_by_the_hosts_cpu_capability_or_the_environment(monkeypatch):
+    """auto: the project's kernel where torch runs AVX2 kernels (its int4 kernel is slow there), torch's
+    elsewhere; the environment can ask for either; anything else is refused."""
+    monkeypatch.delenv(cpu_kernels.CHOICE, raising=False)
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert cpu_kernels.chosen_kernel() == ("native" if avx2 and cpu_kernels.loaded() else "int4")
+    monkeypatch.setenv(cpu_kernels.CHOICE, "int4")
+    assert cpu_kernels.chosen_kernel() == "int4"
+    monkeypatch.setenv(cpu_kernels.CHOICE, "fast")
+    with pytest.raises(ValueError, match="ITERSERVE_PACKED_KERNEL='fast': one of auto, native, int4"):
+        cpu_kernels.chosen_kernel()
+
+
+def test_a_build_cut_off_by_a_kill_does_not_keep_later_workers_waiting(tmp_path):
+    """torch's extension builder waits for as long as its lock file is there, and a builder killed
+    mid-build (a worker SIGKILLed while starting) leaves it: the next worker builds anyway."""
+    native_kernels()
+    environment = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    script = "import sys; sys.path.insert(0, '.'); from services.worker import cpu_kernels as c; print(c.{})"
+    root = Path(__file__).resolve().parent.parent
+    where = subprocess.run([sys.executable, "-c", script.format("build_directory()")], capture_output=True,
+                           text=True, timeout=60, env=environment, cwd=root)
+    directory = Path(where.stdout.strip().splitlines()[-1])
+    assert directory.is_relative_to(tmp_path)
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # (as a killed builder leaves it)
+    done = subprocess.run([sys.executable, "-c", script.format("loaded()")], capture_output=True, text=True,
+                          timeout=240, env=environment, cwd=root)
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stderr[-2000:]

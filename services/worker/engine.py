@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from services.worker import cpu_kernels
 from services.worker.attention import AttentionMode, StepLayout, build_batch
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.decode_workspace import DecodeWorkspace
@@ -66,10 +67,11 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device, stored: str = "", quantization: str = "none") -> torch.dtype:
-    """auto: float32 on the CPU (bfloat16 with packed weights: their kernel's fast path); on CUDA the
-    checkpoint's own float16 or bfloat16, else bfloat16."""
+    """auto: float32 on the CPU (with packed weights, their kernel's fast path: bfloat16 for torch's
+    int4 kernel, float32 for the project's); on CUDA the checkpoint's own float16 or bfloat16, else
+    bfloat16."""
     if name == "auto":
-        if device.type != "cuda" and quantization == "none":
+        if device.type != "cuda" and (quantization == "none" or cpu_kernels.chosen_kernel() == "native"):
             return torch.float32
         return torch.float16 if stored == "float16" else torch.bfloat16
     return DTYPES[name]
@@ -115,8 +117,11 @@ def draft_config(settings: "Settings") -> tuple[ModelConfig, "SpeculativeConfig"
 
 
 def draft_dtype(speculative: "SpeculativeConfig", target_dtype: torch.dtype) -> torch.dtype:
-    """The draft's: the target's, or bfloat16 with its GGUF kept packed (the packed kernels' fast path)."""
-    return torch.bfloat16 if speculative.draft_packed else target_dtype
+    """The draft's: the target's, or with its GGUF kept packed the packed kernel's fast path (bfloat16
+    for torch's int4 kernel, float32 for the project's)."""
+    if speculative.draft_packed:
+        return torch.float32 if cpu_kernels.chosen_kernel() == "native" else torch.bfloat16
+    return target_dtype
 
 
 def weight_bytes(model) -> int:

@@ -1,5 +1,7 @@
-"""A GGUF's quantized tensors served quantized (`--quantization gguf`): packed 4-bit in memory and
-multiplied by torch's dequantizing int4 kernel, not dequantized to float32 at load.
+"""A GGUF's quantized tensors served quantized (`--quantization gguf`): packed in memory and
+multiplied by a dequantizing kernel, not dequantized to float32 at load. Two kernels: the project's
+own (cpu_kernels.cpp; NativeForm: Q4_0, Q4_1 and Q8_0 held as the file holds them, its bytes) where
+cpu_kernels.chosen_kernel() takes it (AVX2 hosts), else torch's int4 kernel, in the form below.
 
 Every type kept packed is a sum of parts of the one form torch's CPU int4 kernel computes
 (aten::_weight_int4pack_mm_for_cpu): per group of 32 weights along a row, w = scale * (q - 8) + zero
@@ -17,7 +19,7 @@ as without quantization. Each tensor also keeps the file's own formula (FileValu
 offset on the file's integer q, computed as llama.cpp and gguf compute it), for the embedding's
 lookup and any dequantizing: those values are the file's bit for bit.
 
-The kernel computes each row of x alone (a row's result does not depend on the other rows of the
+Both kernels compute each row of x alone (a row's result does not depend on the other rows of the
 step: tests/test_quantized.py), so these projections do not make a request's tokens depend on its
 batch (in bfloat16 the decode workspace's attention still does: docs/models.md).
 """
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from services.worker import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +174,8 @@ def unpack(type_name: str, data: np.ndarray, rows: int, columns: int) -> Quantiz
 
 def concatenated(tensors: list[QuantizedTensor]) -> QuantizedTensor | None:
     """Several tensors' rows as one (Q, K and V; gate and up) where each has the same parts' form
-    (all of one part, or all of two: Q8_0 and Q5_*); None where they do not."""
+    (all of one part, or all of two: Q8_0 and Q5_*); None where they do not. The file's formula goes
+    with them where it is one form for all (one bias, offsets in all or none)."""
     counts = {len(tensor.parts) for tensor in tensors}
     if len(counts) != 1:
         return None
@@ -178,7 +183,13 @@ def concatenated(tensors: list[QuantizedTensor]) -> QuantizedTensor | None:
                       np.concatenate([tensor.parts[index].scale for tensor in tensors]),
                       np.concatenate([tensor.parts[index].zero for tensor in tensors]))
              for index in range(counts.pop())]
-    return QuantizedTensor("+".join(sorted({tensor.type_name for tensor in tensors})), parts)
+    values = None
+    if (all(tensor.values is not None for tensor in tensors)
+            and len({(tensor.values.bias, tensor.values.offset is None) for tensor in tensors}) == 1):
+        offsets = None if tensors[0].values.offset is None else np.concatenate([t.values.offset for t in tensors])
+        values = FileValues(np.concatenate([tensor.values.scale for tensor in tensors]), offsets,
+                            tensors[0].values.bias)
+    return QuantizedTensor("+".join(sorted({tensor.type_name for tensor in tensors})), parts, values)
 
 
 def rows_permuted(tensor: QuantizedTensor, permute) -> QuantizedTensor:
@@ -189,21 +200,81 @@ def rows_permuted(tensor: QuantizedTensor, permute) -> QuantizedTensor:
     return QuantizedTensor(tensor.type_name, parts, values)
 
 
-class PackedLinear:
-    """A projection's weight [N, K] packed for the int4 kernel: x [T, K] -> x @ W.T [T, N]."""
+@dataclass
+class NativeForm:
+    """A weight as cpu_kernels.cpp multiplies it, its bytes the file's: the file's integers, 4-bit
+    (two a byte, q[j] and q[j + 16] of a group in byte j, as llama.cpp's blocks) or signed bytes,
+    and per group of 32 the file's float16 scale and offset: w = scale (q - bias) + offset."""
+    q: torch.Tensor  # [N, K / 2] uint8 (nibbles: Q4_0, Q4_1) or [N, K] int8 (bytes: Q8_0)
+    scales: torch.Tensor  # [N, K / 32] float16
+    offsets: torch.Tensor | None  # [N, K / 32] float16 (Q4_1's m); None: 0
+    bias: int  # the file's integer is q less this (Q4_0's 8; else 0)
 
-    def __init__(self, tensor: QuantizedTensor, device: torch.device, dtype: torch.dtype) -> None:
+    @classmethod
+    def of(cls, tensor: QuantizedTensor) -> "NativeForm | None":
+        """Q4_0 and Q4_1 as nibbles, Q8_0 as bytes, their d and m the file's float16; None for a type
+        or a fused mix of types whose values these forms do not hold as the file does."""
+        values = tensor.values
+        if values is None:
+            return None
+        rows, columns = tensor.shape
+
+        def narrow(array: np.ndarray) -> torch.Tensor | None:
+            held = array.astype(np.float16)
+            return torch.from_numpy(held) if np.array_equal(held.astype(np.float32), array) else None
+
+        scales = narrow(values.scale)  # (None for the K types' d sc)
+        offsets = None if values.offset is None else narrow(values.offset)
+        if scales is None or (values.offset is not None and offsets is None):
+            return None
+        if len(tensor.parts) == 1 and values.bias in (0, 8):  # Q4_0 (bias 8), Q4_1 (bias 0)
+            grouped = tensor.parts[0].q.reshape(rows, columns // GROUP, GROUP)
+            nibbles = (grouped[..., :GROUP // 2] | (grouped[..., GROUP // 2:] << 4)).reshape(rows, columns // 2)
+            return cls(torch.from_numpy(np.ascontiguousarray(nibbles)), scales, offsets, values.bias)
+        if len(tensor.parts) == 2 and values.bias == 128 and offsets is None:  # Q8_0: w = d q
+            q = file_integers([part.q for part in tensor.parts], values.bias).astype(np.int8)
+            return cls(torch.from_numpy(q), scales, None, 0)
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q.dtype == torch.int8:
+            return cpu_kernels.byte_mm(x, self.q, self.scales)
+        return cpu_kernels.nibble_mm(x, self.q, self.scales, self.offsets, self.bias)
+
+    def file_integers(self, ids: torch.Tensor) -> torch.Tensor:
+        """The file's integer q of rows `ids` [T]: [T, K] int16."""
+        rows = self.q.index_select(0, ids)
+        if self.q.dtype == torch.int8:
+            return rows.short()
+        grouped = rows.view(len(ids), -1, GROUP // 2)
+        return torch.cat([grouped & 0x0F, grouped >> 4], dim=-1).view(len(ids), -1).short() - self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
+
+
+class PackedLinear:
+    """A projection's weight [N, K] kept packed: x [T, K] -> x @ W.T [T, N], by the project's own
+    kernel (`native`: cpu_kernels.py says where) where it holds the weight's type, else by torch's
+    int4 kernel (`parts`: packed for it)."""
+
+    def __init__(self, tensor: QuantizedTensor, device: torch.device, dtype: torch.dtype,
+                 kernel: str | None = None) -> None:
         if device.type != "cpu":
             raise ValueError("--quantization gguf runs on the CPU only for now")
         self.out_features, self.in_features = tensor.shape
         self.dtype = dtype
+        self.native = NativeForm.of(tensor) if (kernel or cpu_kernels.chosen_kernel()) == "native" else None
         self.parts = []
-        for part in tensor.parts:
+        for part in tensor.parts if self.native is None else ():
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(part.q.astype(np.int32)), 1)
             scales_and_zeros = torch.from_numpy(np.stack([part.scale, part.zero], axis=-1).transpose(1, 0, 2).copy())
             self.parts.append((packed, scales_and_zeros.to(dtype)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:  # (float32 in and out: its arithmetic)
+            return self.native(x.float().contiguous()).to(self.dtype)
         x = x.to(self.dtype)
         result = None
         for packed, scales_and_zeros in self.parts:
@@ -213,6 +284,8 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
+        if self.native is not None:
+            return self.native.nbytes
         return sum(packed.nbytes + scales.nbytes for packed, scales in self.parts)
 
 
@@ -300,18 +373,27 @@ class QuantizedEmbedding:
         if tensor.values is None:
             raise ValueError(f"a {tensor.type_name} table has no file values to look its rows up by")
         self.dtype, self.bias = dtype, tensor.values.bias  # (not the float32 arrays: narrowed below)
-        self.nibbles = Nibbles.of([part.q for part in tensor.parts],
-                                  None if lm_head is None else [packed for packed, _ in lm_head.parts])
+        # the tied lm head's own kernel form holds the file's integers as they are: looked up there
+        self.native = None if lm_head is None else lm_head.native
+        self.nibbles = None if self.native is not None else Nibbles.of(
+            [part.q for part in tensor.parts], None if lm_head is None else [packed for packed, _ in lm_head.parts])
         self.scale = _narrowest(tensor.values.scale)
         self.offset = None if tensor.values.offset is None else _narrowest(tensor.values.offset)
 
+    @property
+    def shares_lm_head(self) -> bool:
+        """Whether its 4-bit values or bytes are the lm head's (the table held once)."""
+        return self.native is not None or not self.nibbles.own
+
     def index_select(self, dim: int, token_ids: torch.Tensor) -> torch.Tensor:
-        q = file_integers(self.nibbles.lookup(token_ids), self.bias).float()  # (small integers: exact)
+        q = (self.native.file_integers(token_ids) if self.native is not None
+             else file_integers(self.nibbles.lookup(token_ids), self.bias)).float()  # (small integers: exact)
         rows = q.view(len(token_ids), -1, GROUP) * self.scale.index_select(0, token_ids).float()[..., None]
         if self.offset is not None:
             rows = rows + self.offset.index_select(0, token_ids).float()[..., None]
         return rows.view(len(token_ids), -1).to(self.dtype)
 
     @property
-    def nbytes(self) -> int:
-        return self.nibbles.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
+    def nbytes(self) -> int:  # (shared bytes are counted as the lm head's)
+        own = 0 if self.nibbles is None else self.nibbles.nbytes
+        return own + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
