@@ -1,7 +1,7 @@
 // Projections over a GGUF's weights kept packed (`--quantization gguf`), for x86 CPUs with AVX2, FMA
 // and F16C, where torch's int4 kernel is slow (services/worker/cpu_kernels.py builds and loads this):
 // x [T, K] float32 times W.T, W [N, K] held as llama.cpp holds it, 32 weights a group with a float16
-// scale (and offset), w = scale * q + offset; q 4-bit (Q4_0, Q4_1) or a signed byte (Q8_0). The
+// scale (and offset), w = scale (q - zero point) + offset; q 4-bit (Q4_0, Q4_1) or a signed byte (Q8_0). The
 // weights are decoded to float32 in registers and multiplied in float32: x @ W.T of the file's values
 // up to float32 rounding, not llama.cpp's int8 products of a quantized x.
 // Each output is summed in one fixed order whatever the rows of x or the threads (the threads split
@@ -50,6 +50,30 @@ inline float dot(const float* a, const float* b, int64_t count) {
   return total;
 }
 
+// 8 bytes as float32 (signed or not: exact).
+template <bool SIGNED>
+inline __m256 floats(__m128i bytes) {
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+}
+
+// A group's 32 q (its first 16 and last 16 bytes) times each of R rows of x (`stride` apart), scaled,
+// added to the rows' sums: in one order for every row (two chains of 16, then the scale).
+template <int R, bool SIGNED>
+inline void accumulate(__m128i first, __m128i second, float scale_value, const float* x, int64_t stride,
+                       __m256* total) {
+  const __m256 q0 = floats<SIGNED>(first), q1 = floats<SIGNED>(_mm_srli_si128(first, 8));
+  const __m256 q2 = floats<SIGNED>(second), q3 = floats<SIGNED>(_mm_srli_si128(second, 8));
+  const __m256 scale = _mm256_set1_ps(scale_value);
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * stride;
+    __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+    __m256 b = _mm256_mul_ps(q1, _mm256_loadu_ps(xr + 8));
+    a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), a);
+    b = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), b);
+    total[r] = _mm256_fmadd_ps(_mm256_add_ps(a, b), scale, total[r]);
+  }
+}
+
 // One weight row against `rows` rows of x: 4-bit q, byte j of a group holding q[j] (low nibble) and q[j + 16].
 // SHIFTED: w = scale (q - zero_point) + offset, the offset term summed apart (offsets null: 0).
 template <int R, bool SHIFTED>
@@ -70,19 +94,7 @@ void nibble_row(const float* x, int64_t K, const float* x_sums, const uint8_t* q
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
     const __m128i first = _mm_and_si128(bytes, low_mask);
     const __m128i second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
-    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
-    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
-    const __m256 scale = _mm256_broadcast_ss(scale_values + g);
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * GROUP;
-      __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-      __m256 b = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
-      a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), a);
-      b = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), b);
-      total[r] = _mm256_fmadd_ps(_mm256_add_ps(a, b), scale, total[r]);
-    }
+    accumulate<R, false>(first, second, scale_values[g], x + g * GROUP, K, total);
   }
   for (int r = 0; r < R; ++r)
     out[r * N] = horizontal_sum(total[r]) + (SHIFTED ? dot(offset_values, x_sums + r * groups, groups) : 0.0f);
@@ -99,19 +111,7 @@ void byte_row(const float* x, int64_t K, const int8_t* q, const uint16_t* scales
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * GROUP));
     const __m128i first = _mm256_castsi256_si128(bytes), second = _mm256_extracti128_si256(bytes, 1);
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
-    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
-    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
-    const __m256 scale = _mm256_broadcast_ss(scale_values + g);
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * K + g * GROUP;
-      __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-      __m256 b = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
-      a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), a);
-      b = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), b);
-      total[r] = _mm256_fmadd_ps(_mm256_add_ps(a, b), scale, total[r]);
-    }
+    accumulate<R, true>(first, second, scale_values[g], x + g * GROUP, K, total);
   }
   for (int r = 0; r < R; ++r) out[r * N] = horizontal_sum(total[r]);
 }
@@ -124,9 +124,10 @@ at::Tensor group_sums(const at::Tensor& x) {
   float* out = sums.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < groups; ++g) {
-      __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs + t * K + g * GROUP), _mm256_loadu_ps(xs + t * K + g * GROUP + 8)),
-                               _mm256_add_ps(_mm256_loadu_ps(xs + t * K + g * GROUP + 16), _mm256_loadu_ps(xs + t * K + g * GROUP + 24)));
-      out[t * groups + g] = horizontal_sum(v);
+      const float* xg = xs + t * K + g * GROUP;
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                                       _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
+      out[t * groups + g] = horizontal_sum(sum);
     }
   return sums;
 }
