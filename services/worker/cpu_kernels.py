@@ -2,8 +2,8 @@
 which kernel `--quantization gguf` uses on this host.
 
 torch's int4 kernel (aten::_weight_int4pack_mm_for_cpu) is fast where torch runs AVX-512 kernels
-and slow on AVX2 (a SmolLM2-135M decode step of one row: 10.5 ms on Zen 5, about 44 ms on an AVX2
-AMD EPYC): there the weights are multiplied by cpu_kernels.cpp, built once per torch version and
+and slow on AVX2 (a SmolLM2-135M decode step of one row in bfloat16: 10.5 ms on Zen 5, 35.3 ms on a
+Zen 3 AMD EPYC, against 27.8 there with these kernels in float32): there the weights are multiplied by cpu_kernels.cpp, built once per torch version and
 source (about 12 s; with torch's own C++ extension builder, into ~/.cache/iterserve/kernels) and
 loaded as torch ops. ITERSERVE_PACKED_KERNEL chooses: "auto" (the default: these kernels where
 torch's CPU capability is AVX2, else torch's), "native" (these wherever they build: to measure a host
@@ -42,15 +42,24 @@ def chosen_kernel() -> str:
     return "native" if loaded() else "int4"
 
 
-def _cpu_flags() -> set[str]:
+def packed_dtype() -> torch.dtype:
+    """The compute dtype `--dtype auto` gives packed weights: the chosen kernel's fast path (float32
+    for the project's, bfloat16 for torch's int4 kernel)."""
+    return torch.float32 if chosen_kernel() == "native" else torch.bfloat16
+
+
+@functools.cache
+def cpuinfo() -> str:
+    """/proc/cpuinfo's text ("" where there is none): the host class's vendor, family and flags."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+        with open("/proc/cpuinfo") as text:
+            return text.read()
     except OSError:
-        pass
-    return set()
+        return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpuinfo().split())
 
 
 def build_directory() -> Path:

@@ -71,7 +71,7 @@ def pick_dtype(name: str, device: torch.device, stored: str = "", quantization: 
     int4 kernel, float32 for the project's); on CUDA the checkpoint's own float16 or bfloat16, else
     bfloat16."""
     if name == "auto":
-        if device.type != "cuda" and (quantization == "none" or cpu_kernels.chosen_kernel() == "native"):
+        if device.type != "cuda" and (quantization == "none" or cpu_kernels.packed_dtype() == torch.float32):
             return torch.float32
         return torch.float16 if stored == "float16" else torch.bfloat16
     return DTYPES[name]
@@ -119,9 +119,7 @@ def draft_config(settings: "Settings") -> tuple[ModelConfig, "SpeculativeConfig"
 def draft_dtype(speculative: "SpeculativeConfig", target_dtype: torch.dtype) -> torch.dtype:
     """The draft's: the target's, or with its GGUF kept packed the packed kernel's fast path (bfloat16
     for torch's int4 kernel, float32 for the project's)."""
-    if speculative.draft_packed:
-        return torch.float32 if cpu_kernels.chosen_kernel() == "native" else torch.bfloat16
-    return target_dtype
+    return cpu_kernels.packed_dtype() if speculative.draft_packed else target_dtype
 
 
 def weight_bytes(model) -> int:

@@ -9,7 +9,6 @@ The families differ in three places only (shared/model_file.py ARCHITECTURES): Q
 Q/K/V, Qwen3's per-head RMS norm of Q and K, and the rotary frequencies' scaling (Llama 3.1).
 """
 
-import functools
 import math
 import re
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import AttentionBatch, attend
+from services.worker.cpu_kernels import cpuinfo as _cpuinfo  # (a module name tests replace it by)
 from services.worker.kv_cache import PagedKVCache
 from services.worker.quantized import PackedLinear, QuantizedEmbedding, QuantizedTensor, concatenated
 from shared.model_file import ModelConfig
@@ -49,14 +49,6 @@ class LayerWeights:
 # count only, so every worker of a host computes a step alike.
 SKINNY_ROWS = 64
 
-
-@functools.cache
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return cpuinfo.read()
-    except OSError:
-        return ""
 
 
 def _intel_cpu() -> bool:
