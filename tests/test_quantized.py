@@ -110,11 +110,39 @@ def native_kernels():
     assert cpu_kernels.loaded(), "the project's packed kernels did not build: see the log"
 
 
-@pytest.mark.parametrize("kernel", ["int4", "native"])
+@pytest.fixture
+def native_form():
+    """Sets the form of the project's kernels a test runs (256: the AVX2 form, everywhere they build;
+    512: the AVX-512 form, which the process takes where the CPU has it); the process's restored after."""
+    native_kernels()
+    before = cpu_kernels.vector_bits()
+
+    def use(bits: int) -> None:
+        if bits == 512 and not {"avx512f", "avx512bw"} <= cpu_kernels._cpu_flags():
+            pytest.skip("the AVX-512 form needs a CPU with AVX-512 (F and BW): this host runs the AVX2 form only")
+        cpu_kernels.vector_bits(bits)
+
+    yield use
+    cpu_kernels.vector_bits(before)
+
+
+FORMS = pytest.mark.parametrize("bits", [256, 512], ids=["avx2-form", "avx512-form"])
+
+
+def test_the_native_kernels_run_their_widest_form_and_refuse_a_width_they_lack():
+    native_kernels()
+    widest = 512 if {"avx512f", "avx512bw"} <= cpu_kernels._cpu_flags() else 256
+    assert cpu_kernels.vector_bits() == widest
+    with pytest.raises(RuntimeError, match="vector_bits"):
+        cpu_kernels.vector_bits(128)
+
+
+@pytest.mark.parametrize("kernel, bits", [("int4", None), ("native", 256), ("native", 512)],
+                         ids=["int4", "native-avx2-form", "native-avx512-form"])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_1", "Q5_K"])
-def test_the_packed_projection_is_x_times_the_dequantized_weight(type_name, kernel):
+def test_the_packed_projection_is_x_times_the_dequantized_weight(type_name, kernel, bits, request):
     if kernel == "native":
-        native_kernels()
+        request.getfixturevalue("native_form")(bits)
     data, weight = quantized_by_gguf(type_name)
     x = torch.randn(5, COLUMNS)
     expected = x.double() @ torch.from_numpy(weight).double().T
@@ -129,11 +157,23 @@ def test_the_packed_projection_is_x_times_the_dequantized_weight(type_name, kern
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_native_kernel_gives_a_row_the_same_bits_in_every_batch_and_thread_count(type_name):
+def test_the_avx512_form_multiplies_by_gguf_s_dequantized_weights_bit_for_bit(type_name, native_form):
+    """Its weights are gguf's dequantized float32 values themselves (d (q - 8), d q + m, d q), not a
+    rearrangement of the sum: x of one-hot rows reads each column back exactly."""
+    native_form(512)
+    data, weight = quantized_by_gguf(type_name)
+    projection = PackedLinear(unpack(type_name, data, ROWS, COLUMNS), torch.device("cpu"), torch.float32,
+                              kernel="native")
+    np.testing.assert_array_equal(projection(torch.eye(COLUMNS)).numpy(), weight.T)
+
+
+@FORMS
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_native_kernel_gives_a_row_the_same_bits_in_every_batch_and_thread_count(type_name, bits, native_form):
     """Its threads split the weight's rows and a row of x is summed in one order in every block of
     rows: a request's projections do not depend on its batch or the worker's threads. 50 output
     rows (not a multiple of the 16 a thread takes), 1-9 and 33 rows of x (blocks of 4 and their rest)."""
-    native_kernels()
+    native_form(bits)
     data, _ = quantized_by_gguf(type_name, rows=50)
     projection = PackedLinear(unpack(type_name, data, 50, COLUMNS), torch.device("cpu"), torch.float32,
                               kernel="native")
@@ -199,12 +239,19 @@ def packaged():
     return [tokenizer.encode(prompt) for prompt in PROMPTS]
 
 
-def test_the_packaged_model_served_quantized_gives_the_dequantized_float32_models_greedy_tokens(packaged):
+@pytest.mark.parametrize("kernel", ["int4", "native"])
+def test_the_packaged_model_served_quantized_gives_the_dequantized_float32_models_greedy_tokens(packaged, kernel,
+                                                                                                 monkeypatch):
     """Q4_1 matrices and a Q8_0 embedding (tied to the lm head) packed: in float32 the same greedy
-    tokens as every tensor dequantized to float32, in under a third of the memory."""
+    tokens as every tensor dequantized to float32, in under a third of the memory. The project's
+    kernel in the form this process runs (AVX-512 where the CPU has it)."""
+    if kernel == "native":
+        native_kernels()
+    monkeypatch.setenv(cpu_kernels.CHOICE, kernel)
     dense = LogitsEngine.from_settings(Settings(kv_blocks=128, device="cpu", dtype="float32"))
     packed = LogitsEngine.from_settings(Settings(kv_blocks=128, device="cpu", dtype="float32", quantization="gguf"))
     assert isinstance(packed.model.lm_head, PackedLinear)
+    assert (packed.model.lm_head.native is not None) == (kernel == "native")
     for prompt in packaged:
         dense_logits, packed_logits = [], []
         expected = generate_alone(dense, "r", prompt, 24, logits=dense_logits)

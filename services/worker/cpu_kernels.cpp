@@ -1,5 +1,6 @@
 // Projections over a GGUF's weights kept packed (`--quantization gguf`), for x86 CPUs with AVX2, FMA
-// and F16C, where torch's int4 kernel is slow (services/worker/cpu_kernels.py builds and loads this):
+// and F16C, where torch's int4 kernel is slow (services/worker/cpu_kernels.py builds and loads this),
+// and a form of them for AVX-512, taken where the CPU has it (vector_bits):
 // x [T, K] float32 times W.T, W [N, K] held as llama.cpp holds it, 32 weights a group with a float16
 // scale (and offset), w = scale (q - zero point) + offset; q 4-bit (Q4_0, Q4_1) or a signed byte (Q8_0). The
 // weights are decoded to float32 in registers and multiplied in float32: x @ W.T of the file's values
@@ -7,6 +8,7 @@
 // Each output is summed in one fixed order whatever the rows of x or the threads (the threads split
 // W's rows, never a sum), so a row's result does not depend on the other rows of its step.
 #include <algorithm>
+#include <type_traits>
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -116,6 +118,99 @@ void byte_row(const float* x, int64_t K, const int8_t* q, const uint16_t* scales
   for (int r = 0; r < R; ++r) out[r * N] = horizontal_sum(total[r]);
 }
 
+// The same products with AVX-512 (where the CPU has it: vector_bits says which form runs). A group's 16
+// possible 4-bit values are a table of 16 floats, w = scale (q - zero point) + offset computed once per
+// group for all 16 (the file's formula: a float16 scale times an integer of 4 or 8 bits is exact in
+// float32, and the offset's sum rounds once, as gguf's does), and each weight is looked up by its
+// nibble (vpermps takes an index's low 4 bits): W's values exactly as the float32 dequantized
+// weights, summed with x in four chains a row (even and odd groups, first and last 16).
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+
+template <int R>
+WIDE inline void accumulate_wide(__m512 first, __m512 second, const float* x, int64_t stride, __m512 (&total)[R][2]) {
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * stride;
+    total[r][0] = _mm512_fmadd_ps(first, _mm512_loadu_ps(xr), total[r][0]);
+    total[r][1] = _mm512_fmadd_ps(second, _mm512_loadu_ps(xr + 16), total[r][1]);
+  }
+}
+
+// A group's 32 weights of 4-bit q, as float32: w = table[q].
+WIDE inline void nibble_weights(const uint8_t* q, __m512 table, __m512& first, __m512& second) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  first = _mm512_permutexvar_ps(bytes, table);  // (the low nibble: q[j])
+  second = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);  // (the high: q[j + 16])
+}
+
+// A group's 32 weights of signed bytes, as float32: w = scale q.
+WIDE inline void byte_weights(const int8_t* q, __m512 scale, __m512& first, __m512& second) {
+  first = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))),
+                        scale);
+  second = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), scale);
+}
+
+// Groups in pairs (even into `even`, odd into `odd`: named, so the sums stay in registers), then the
+// row's sums: the same order whatever R.
+template <int R, typename Weights>
+WIDE inline void row_wide(const float* x, int64_t K, Weights weights, float* out, int64_t N) {
+  const int64_t groups = K / GROUP;
+  __m512 even[R][2], odd[R][2];
+  for (int r = 0; r < R; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
+  __m512 first, second;
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    weights(g, first, second);
+    accumulate_wide<R>(first, second, x + g * GROUP, K, even);
+    weights(g + 1, first, second);
+    accumulate_wide<R>(first, second, x + (g + 1) * GROUP, K, odd);
+  }
+  if (g < groups) {
+    weights(g, first, second);
+    accumulate_wide<R>(first, second, x + g * GROUP, K, even);
+  }
+  for (int r = 0; r < R; ++r)
+    out[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even[r][0], even[r][1]),
+                                                    _mm512_add_ps(odd[r][0], odd[r][1])));
+}
+
+template <int R>
+WIDE void nibble_row_wide(const float* x, int64_t K, const uint8_t* q, const uint16_t* scales,
+                          const uint16_t* offsets, float zero_point, float* out, int64_t N) {
+  const int64_t groups = K / GROUP;
+  float scale_values[MOST_GROUPS], offset_values[MOST_GROUPS];
+  widen(scales, groups, scale_values);
+  if (offsets) widen(offsets, groups, offset_values);
+  const __m512 levels = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_ps(zero_point));  // (exact)
+  row_wide<R>(x, K, [&](int64_t g, __m512& first, __m512& second) WIDE {
+    __m512 table = _mm512_mul_ps(levels, _mm512_set1_ps(scale_values[g]));
+    if (offsets) table = _mm512_add_ps(table, _mm512_set1_ps(offset_values[g]));
+    nibble_weights(q + g * 16, table, first, second);
+  }, out, N);
+}
+
+template <int R>
+WIDE void byte_row_wide(const float* x, int64_t K, const int8_t* q, const uint16_t* scales, float* out, int64_t N) {
+  float scale_values[MOST_GROUPS];
+  widen(scales, K / GROUP, scale_values);
+  row_wide<R>(x, K, [&](int64_t g, __m512& first, __m512& second) WIDE {
+    byte_weights(q + g * GROUP, _mm512_set1_ps(scale_values[g]), first, second);
+  }, out, N);
+}
+
+// Which form runs: 512 where the CPU has AVX-512 (F and BW), else 256 (AVX2); one per process, so a
+// row's sums keep one order whatever its step.
+int64_t widest_bits() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 512 : 256; }
+int64_t bits_in_use = widest_bits();
+
+int64_t vector_bits(int64_t requested) {
+  TORCH_CHECK(requested == 0 || requested == 256 || (requested == 512 && widest_bits() == 512),
+              "vector_bits: 0 (ask), 256, or 512 where the CPU has AVX-512");
+  if (requested) bits_in_use = requested;
+  return bits_in_use;
+}
+
 // Each group's sum of x (the offsets' factor), in one fixed order.
 at::Tensor group_sums(const at::Tensor& x) {
   const int64_t T = x.size(0), K = x.size(1), groups = K / GROUP;
@@ -138,6 +233,17 @@ void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, i
   TORCH_CHECK(q.dim() == 2 && q.size(1) == bytes_per_row && q.is_contiguous(), "q: [N, bytes of a row]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == q.size(0) &&
               scales.size(1) == x.size(1) / GROUP, "scales: [N, K / 32] float16");
+}
+
+// f(std::integral_constant<int, R>) for R = rows (1 to ROWS_AT_ONCE): a block's row count as a template argument.
+template <typename F>
+inline void by_rows(int rows, F&& f) {
+  switch (rows) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
 }
 
 template <typename RowFn>
@@ -171,9 +277,10 @@ at::Tensor nibble_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
                 "offsets: as scales");
   const bool shifted = has_offsets || zero_point != 0;
   const float zero = static_cast<float>(zero_point);
-  at::Tensor sums = shifted ? group_sums(x) : at::Tensor();
+  const bool wide = bits_in_use == 512;  // (read once: the form of this whole call)
+  at::Tensor sums = shifted && !wide ? group_sums(x) : at::Tensor();  // (the AVX2 form's offsets term)
   const float* xs = x.data_ptr<float>();
-  const float* ss = shifted ? sums.data_ptr<float>() : nullptr;
+  const float* ss = sums.defined() ? sums.data_ptr<float>() : nullptr;
   const uint8_t* qs = q.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* of = has_offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
@@ -183,21 +290,12 @@ at::Tensor nibble_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
     const uint8_t* qn = qs + n * (K / 2);
     const uint16_t* sn = sc + n * groups;
     const uint16_t* on = of ? of + n * groups : nullptr;
-    if (shifted) {
-      switch (rows) {
-        case 4: nibble_row<4, true>(xt, K, st, qn, sn, on, zero, out, N); break;
-        case 3: nibble_row<3, true>(xt, K, st, qn, sn, on, zero, out, N); break;
-        case 2: nibble_row<2, true>(xt, K, st, qn, sn, on, zero, out, N); break;
-        default: nibble_row<1, true>(xt, K, st, qn, sn, on, zero, out, N);
-      }
-    } else {
-      switch (rows) {
-        case 4: nibble_row<4, false>(xt, K, st, qn, sn, on, zero, out, N); break;
-        case 3: nibble_row<3, false>(xt, K, st, qn, sn, on, zero, out, N); break;
-        case 2: nibble_row<2, false>(xt, K, st, qn, sn, on, zero, out, N); break;
-        default: nibble_row<1, false>(xt, K, st, qn, sn, on, zero, out, N);
-      }
-    }
+    by_rows(rows, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      if (wide) nibble_row_wide<R>(xt, K, qn, sn, on, zero, out, N);
+      else if (shifted) nibble_row<R, true>(xt, K, st, qn, sn, on, zero, out, N);
+      else nibble_row<R, false>(xt, K, st, qn, sn, on, zero, out, N);
+    });
   });
 }
 
@@ -208,13 +306,13 @@ at::Tensor byte_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const float* xs = x.data_ptr<float>();
   const int8_t* qs = q.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const bool wide = bits_in_use == 512;
   return run(x, N, [&](int64_t n, int64_t t, int rows, float* out) {
-    switch (rows) {
-      case 4: byte_row<4>(xs + t * K, K, qs + n * K, sc + n * groups, out, N); break;
-      case 3: byte_row<3>(xs + t * K, K, qs + n * K, sc + n * groups, out, N); break;
-      case 2: byte_row<2>(xs + t * K, K, qs + n * K, sc + n * groups, out, N); break;
-      default: byte_row<1>(xs + t * K, K, qs + n * K, sc + n * groups, out, N);
-    }
+    by_rows(rows, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      if (wide) byte_row_wide<R>(xs + t * K, K, qs + n * K, sc + n * groups, out, N);
+      else byte_row<R>(xs + t * K, K, qs + n * K, sc + n * groups, out, N);
+    });
   });
 }
 
@@ -223,6 +321,7 @@ at::Tensor byte_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 TORCH_LIBRARY(iterserve_cpu, m) {
   m.def("nibble_mm(Tensor x, Tensor q, Tensor scales, Tensor? offsets, int zero_point) -> Tensor");
   m.def("byte_mm(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("vector_bits(int requested) -> int", &vector_bits);  // (no tensors: one kernel for every backend)
 }
 
 TORCH_LIBRARY_IMPL(iterserve_cpu, CPU, m) {
