@@ -35,7 +35,8 @@ def own_weights() -> tuple[list, tuple]:
         return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), (torch.rand(n, k // GROUP) / 100).half(),
                 (torch.rand(n, k // GROUP) / 100).half())
 
-    head = (torch.randint(-128, 128, (VOCAB, HIDDEN), dtype=torch.int8), (torch.rand(VOCAB, HIDDEN // GROUP) / 100).half())
+    head = (torch.randint(-128, 128, (VOCAB, HIDDEN), dtype=torch.int8),
+            (torch.rand(VOCAB, HIDDEN // GROUP) / 100).half())
     return [[nibbles(n, k) for n, k in SHAPES] for _ in range(LAYERS)], head
 
 

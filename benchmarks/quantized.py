@@ -66,7 +66,6 @@ def main() -> None:
     widest = cpu_kernels.vector_bits() if OWN in engines else 256
     if widest == 512:
         engines[AVX2_FORM] = engines[OWN]  # (the same weights: the form is the process's, set at its turn)
-    bits = {name: (256 if name == AVX2_FORM else widest) for name in engines}
     rows = []
     for batch in args.batch_sizes:
         prompts = [[100 + (index + position) % 40000 for position in range(args.context)] for index in range(batch)]
@@ -74,7 +73,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 if name in (OWN, AVX2_FORM):
-                    cpu_kernels.vector_bits(bits[name])
+                    cpu_kernels.vector_bits(256 if name == AVX2_FORM else widest)
                 best[name] = min(best[name], engine_decode_seconds(engine, prompts, args.steps) / args.steps)
         rows.append((batch, best))
         print(f"batch {batch}: " + ", ".join(f"{name} {1000 * seconds:.1f} ms" for name, seconds in best.items()),
